@@ -1,0 +1,24 @@
+"""unbroken: resume PyTorch training exactly, and prove it on every resume."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .checkpointer import Checkpointer
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+)
+from .report import RestoreReport
+
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "CorruptCheckpointError",
+    "IncompleteCheckpointError",
+    "RestoreReport",
+    "StateMismatchError",
+    "__version__",
+]

@@ -1,0 +1,240 @@
+"""The public entry point: :class:`Checkpointer` orchestrates save, restore and retention."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import collective, probe, restoring, saving
+from .errors import CheckpointError
+from .report import RestoreReport
+from .rng import RNGState
+from .state import Component, ModelComponent, OptimizerComponent, StatefulComponent
+from .stopping import StopPolicy
+from .storage import CheckpointDir
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_COMPONENTS = ("model", "optimizer", "scheduler", "dataloader", "rng")
+METRICS_WINDOW = 200
+
+
+class Checkpointer:
+    """Saves and restores the whole training state exactly, and proves it on restore.
+
+    Every call that touches checkpoints (``save``, ``restore``, ``should_stop``) is
+    collective: under ``torch.distributed`` all ranks must make it, in the same order.
+    Not thread-safe: use one Checkpointer from the training loop's thread.
+
+    Args:
+        path: folder of this run's checkpoints (a local path or ``file://`` URL).
+        model: the module (plain, DDP, FSDP2, compiled, activation-checkpointed) or a
+            dict name -> module.
+        optimizer: an optimizer, a dict name -> optimizer, or None.
+        scheduler: an LR scheduler, a dict of them, or None.
+        dataloader: anything with ``state_dict``/``load_state_dict`` (e.g. torchdata's
+            ``StatefulDataLoader``); saved per rank.
+        extra: name -> object with ``state_dict``/``load_state_dict`` (same on all ranks).
+        probe: ``callable(model) -> Tensor | float``, recorded at save and recomputed
+            after restore; any difference raises ``StateMismatchError``.
+        keep_last: committed checkpoints to keep (None: keep all).
+        async_save: write in the background after staging (not available yet).
+
+    Example::
+
+        ckpt = ub.Checkpointer("ckpts/run1", model=model, optimizer=opt)
+        report = ckpt.restore()
+        for step in range(report.step, total):
+            ...
+            ckpt.save(step + 1)
+        ckpt.close()
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        model: nn.Module | Mapping[str, nn.Module],
+        optimizer: Any = None,
+        scheduler: Any = None,
+        dataloader: Any = None,
+        extra: Mapping[str, Any] | None = None,
+        probe: probe.Probe | None = None,
+        keep_last: int | None = 3,
+        async_save: bool = False,
+    ) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
+        if async_save:
+            raise ValueError("async_save=True is not available yet; use async_save=False")
+        if probe is not None and not callable(probe):
+            raise TypeError(f"probe must be callable(model), got {type(probe).__name__}")
+        self._dir = CheckpointDir(path)
+        self._model = model
+        self._probe = probe
+        self._keep_last = keep_last
+        self._components = self._build_components(model, optimizer, scheduler, dataloader, extra)
+        self._lineage: list[dict[str, Any]] = [
+            {"event": "start", "time": time.time(), "world_size": collective.world_size()}
+        ]
+        self._metrics: dict[int, dict[str, float]] = {}
+        self._stop = StopPolicy()
+        self._closed = False
+
+    @staticmethod
+    def _build_components(model, optimizer, scheduler, dataloader, extra) -> list[Component]:
+        model_c = ModelComponent(model)
+        comps: list[Component] = [model_c]
+        if optimizer is not None:
+            comps.append(OptimizerComponent(optimizer, model_c))
+        if scheduler is not None:
+            comps.append(StatefulComponent("scheduler", scheduler, kind="scheduler"))
+        for name, obj in (extra or {}).items():
+            if not isinstance(name, str) or not name.isidentifier() or name in BUILTIN_COMPONENTS:
+                raise ValueError(
+                    f"extra key {name!r} must be an identifier other than {BUILTIN_COMPONENTS}"
+                )
+            comps.append(StatefulComponent(name, obj, kind="extra"))
+        if dataloader is not None:
+            comps.append(
+                StatefulComponent("dataloader", dataloader, kind="dataloader", per_rank=True)
+            )
+        comps.append(StatefulComponent("rng", RNGState(), kind="rng", per_rank=True))
+        return comps
+
+    @property
+    def path(self) -> str:
+        return str(self._dir.root)
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        return self._dir.steps()
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None."""
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def save(self, step: int) -> str:
+        """Save the whole training state as checkpoint ``step`` and commit it.
+
+        Returns the committed folder. Collective. Raises ``CheckpointError`` (and leaves
+        every committed checkpoint untouched) if anything fails.
+        """
+        self._check_open()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        record = probe.record(self._probe, self._model) if self._probe is not None else None
+        request = saving.SaveRequest(
+            step=step,
+            components=self._components,
+            lineage=self._lineage,
+            metrics=[{"step": s, **m} for s, m in self._metric_window(step)],
+            probe=record,
+        )
+        final = saving.save(self._dir, request)
+        self._apply_retention(step)
+        return str(final)
+
+    def restore(
+        self, step: int | None = None, *, reset: Iterable[str] | None = None
+    ) -> RestoreReport:
+        """Restore the latest committed checkpoint (or ``step``); a fresh start if none.
+
+        Args:
+            step: a committed step to restore instead of the latest.
+            reset: component names to start fresh on purpose (recorded in the lineage).
+        Raises:
+            IncompleteCheckpointError: the checkpoint lacks something passed here.
+            CorruptCheckpointError: a file is missing, truncated or altered.
+            StateMismatchError: it does not fit the live objects, or verification failed.
+        """
+        self._check_open()
+        reset_set = set(reset or ())
+        names = [c.name for c in self._components]
+        unknown = sorted(reset_set - set(names))
+        if unknown:
+            raise ValueError(f"reset names unknown component(s) {unknown}; known: {names}")
+        chosen = restoring.choose_step(self._dir, step)
+        world = collective.world_size()
+        if chosen is None:
+            return RestoreReport(world_size=world, components={n: "absent" for n in names})
+        folder = self._dir.step_path(chosen)
+        doc = restoring.read_manifest(folder)
+        report = restoring.restore(
+            folder, doc, self._components, reset_set, self._probe, self._model
+        )
+        self._lineage = [
+            *doc["lineage"],
+            {
+                "event": "resume",
+                "from_step": chosen,
+                "time": time.time(),
+                "world_size": world,
+                "reset": sorted(reset_set),
+            },
+        ]
+        self._metrics = {
+            m["step"]: {k: v for k, v in m.items() if k != "step"} for m in doc.get("metrics", [])
+        }
+        if collective.rank() == 0:
+            logger.info("%s", report)
+        return report
+
+    def track(self, step: int, **metrics: float | torch.Tensor) -> None:
+        """Record scalar metrics of ``step``; the last steps are kept with each checkpoint."""
+        values = {}
+        for name, value in metrics.items():
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(
+                        f"metric {name!r} must be a scalar, got shape {tuple(value.shape)}"
+                    )
+                value = value.item()
+            value = float(value)
+            values[name] = value if math.isfinite(value) else repr(value)
+        self._metrics[step] = values
+
+    def _metric_window(self, upto: int) -> list[tuple[int, dict[str, float]]]:
+        steps = sorted(s for s in self._metrics if s <= upto)[-METRICS_WINDOW:]
+        return [(s, self._metrics[s]) for s in steps]
+
+    def should_stop(self, step: int) -> bool:
+        """True on every rank once SIGTERM/SIGUSR1 arrived, or at ``UNBROKEN_STOP_AT``."""
+        return self._stop.should_stop(step)
+
+    def close(self) -> None:
+        """Finish pending work and restore the previous signal handlers."""
+        if not self._closed:
+            self._stop.close()
+            self._closed = True
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed")
+
+    def _apply_retention(self, newest: int) -> None:
+        if self._keep_last is None:
+            return
+
+        def prune() -> None:
+            steps = self._dir.steps()
+            # Retention never removes the newest checkpoint, however steps are ordered.
+            doomed = [s for s in steps if s != newest][: max(0, len(steps) - self._keep_last)]
+            for s in doomed:
+                self._dir.remove(s)
+
+        collective.agree(prune, only_rank0=True)

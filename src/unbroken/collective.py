@@ -1,0 +1,85 @@
+"""Process-group helpers that also work without one (a plain single process).
+
+Every rank must reach the same decisions: a check that fails on one rank is raised on
+all of them (:func:`agree`), so no rank waits in a collective while another has left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from .errors import CheckpointError
+
+T = TypeVar("T")
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    return dist.get_rank() if active() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if active() else 1
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def gather_all(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank."""
+    if not active():
+        return [value]
+    out: list[Any] = [None] * world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank."""
+    if not active():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def agree(fn: Callable[[], T], *, only_rank0: bool = False) -> T | None:
+    """Run ``fn`` (on rank 0 only if asked); if it raised anywhere, raise on every rank.
+
+    The error raised is the one of the lowest failing rank, with its rank named when
+    there is more than one process.
+    """
+    result: T | None = None
+    error: BaseException | None = None
+    if not only_rank0 or rank() == 0:
+        try:
+            result = fn()
+        except Exception as exc:
+            error = exc
+    if not active():
+        if error is not None:
+            raise error
+        return result
+    summaries = gather_all(None if error is None else (type(error), str(error)))
+    for r, summary in enumerate(summaries):
+        if summary is None:
+            continue
+        if error is not None and r == rank():
+            raise error
+        kind, message = summary
+        if not (isinstance(kind, type) and issubclass(kind, Exception)):
+            kind = CheckpointError
+        try:
+            raised = kind(f"[rank {r}] {message}")
+        except Exception:
+            raised = CheckpointError(f"[rank {r}] {kind.__name__}: {message}")
+        raise raised
+    return result

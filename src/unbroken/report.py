@@ -1,0 +1,52 @@
+"""What a restore did, for people and for code."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+ComponentStatus = Literal["restored", "reset", "absent"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RestoreReport:
+    """The outcome of :meth:`Checkpointer.restore`.
+
+    Attributes:
+        step: the step to continue from (0 on a fresh start).
+        restored: whether a checkpoint was loaded.
+        path: the checkpoint folder loaded, or None.
+        components: name -> ``"restored"`` (loaded and verified), ``"reset"`` (started
+            fresh on request, recorded in the lineage) or ``"absent"`` (not loaded:
+            no checkpoint yet, or not passed to the Checkpointer).
+        verified: every restored tensor matched its saved fingerprint (and the probe).
+        saved_world_size: world size at save time (None on a fresh start).
+        world_size: world size now.
+        resharded: the state was redistributed to a different world size.
+        warnings: things worth a look that did not stop the restore.
+    """
+
+    step: int = 0
+    restored: bool = False
+    path: str | None = None
+    components: dict[str, ComponentStatus] = dataclasses.field(default_factory=dict)
+    verified: bool = False
+    saved_world_size: int | None = None
+    world_size: int = 1
+    resharded: bool = False
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        if not self.restored:
+            lines = [f"fresh start (no checkpoint restored), world size {self.world_size}"]
+        else:
+            ws = f"world size {self.saved_world_size} -> {self.world_size}"
+            lines = [
+                f"restored step {self.step} from {self.path}",
+                f"  {ws}{' (resharded)' if self.resharded else ''}",
+                f"  verified: {'yes, bit-exact' if self.verified else 'NO'}",
+            ]
+        for name, status in self.components.items():
+            lines.append(f"  {name:<12} {status}")
+        lines.extend(f"  warning: {w}" for w in self.warnings)
+        return "\n".join(lines)

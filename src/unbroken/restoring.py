@@ -1,0 +1,239 @@
+"""One restore: manifest -> load targets -> shard reads -> install -> verification."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from . import collective, manifest, probe, tree, verify
+from .errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+)
+from .report import RestoreReport
+from .saving import component_prefix, unwrap
+from .shards import ShardReader, quiet_single_process
+from .state import Component, ModelComponent, OptimizerComponent, live_tensors
+from .storage import MANIFEST, CheckpointDir
+
+logger = logging.getLogger(__name__)
+
+
+def choose_step(ckdir: CheckpointDir, step: int | None) -> int | None:
+    """The committed step to restore (None: fresh start); the same on every rank."""
+
+    def find() -> int | None:
+        ckdir.check_not_foreign()
+        ckdir.clean_leftovers()
+        steps = ckdir.steps()
+        if step is None:
+            return steps[-1] if steps else None
+        if step not in steps:
+            raise CheckpointError(
+                f"step {step} is not a committed checkpoint in {ckdir.root}; committed steps: "
+                f"{steps or 'none'}"
+            )
+        return step
+
+    return collective.from_rank0(collective.agree(find, only_rank0=True))
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """Rank 0 reads and checks the manifest and the files it lists; every rank gets it."""
+
+    def read() -> dict[str, Any]:
+        doc = manifest.read(folder)
+        for name, rec in doc["files"].items():
+            path = folder / name
+            if not path.is_file():
+                raise CorruptCheckpointError(f"{path} is missing; use an older step")
+            size = path.stat().st_size
+            if size != rec["size"]:
+                raise CorruptCheckpointError(
+                    f"{path} is {size} bytes, the manifest says {rec['size']}: it was "
+                    "truncated or altered; use an older step"
+                )
+        unexpected = sorted(set(os.listdir(folder)) - set(doc["files"]) - {MANIFEST})
+        if unexpected:
+            raise CorruptCheckpointError(
+                f"{folder} holds files its manifest does not list ({', '.join(unexpected)}); "
+                "something other than the save wrote there"
+            )
+        return doc
+
+    return collective.from_rank0(collective.agree(read, only_rank0=True))
+
+
+def restore(
+    folder: Path,
+    doc: dict[str, Any],
+    components: list[Component],
+    reset: set[str],
+    probe_fn: probe.Probe | None,
+    model: Any,
+) -> RestoreReport:
+    """Load ``doc``'s checkpoint into the live components; collective across ranks."""
+    started = time.perf_counter()
+    rank, world = collective.rank(), collective.world_size()
+    saved_world = doc["world_size"]
+    status, warnings = _plan(doc, components, reset, saved_world, world)
+    active = [c for c in components if status[c.name] == "restored"]
+
+    skeletons: dict[str, Any] = {}
+    saved_keys: dict[str, dict[str, dict]] = {}
+
+    def build_targets() -> dict[str, torch.Tensor]:
+        targets: dict[str, torch.Tensor] = {}
+        for c in active:
+            entry = doc["components"][c.name]
+            skeleton = entry["ranks"][str(rank)] if c.per_rank else entry["state"]
+            skeletons[c.name] = skeleton
+            keys = {}
+            for key in tree.tensor_keys(skeleton):
+                if key not in doc["tensors"]:
+                    raise CorruptCheckpointError(
+                        f"{folder}: the manifest references tensor {key!r} but does not list "
+                        "it; the checkpoint is damaged"
+                    )
+                keys[key] = doc["tensors"][key]
+            saved_keys[c.name] = keys
+            if isinstance(c, OptimizerComponent):
+                c.check_coverage(skeleton)
+            live = (
+                live_tensors(c, component_prefix(c, rank))[1]
+                if isinstance(c, ModelComponent)
+                else {}
+            )
+            targets.update(c.targets(keys, live))
+        return targets
+
+    targets = collective.agree(build_targets)
+    assert targets is not None
+    reader = ShardReader(str(folder), doc["tensors"])
+    try:
+        with quiet_single_process():
+            dcp.load(
+                targets,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(),
+                no_dist=not collective.active(),
+            )
+    except CheckpointException as exc:
+        raise unwrap(exc, f"reading {folder}") from None
+
+    def install() -> None:
+        for c in active:
+            c.install(tree.decode(skeletons[c.name], targets))
+
+    collective.agree(install)
+    for c in active:
+        if c.verify_live:
+            _verify_live(c, skeletons[c.name], saved_keys[c.name], rank)
+    if doc.get("probe") and probe_fn is not None:
+        _check_probe(doc["probe"], probe_fn, model, rank, saved_world, world)
+    elif probe_fn is not None:
+        warnings.append("a probe was given but the checkpoint recorded none; not checked")
+
+    if rank == 0:
+        logger.info(
+            "restored step %d from %s in %.2fs", doc["step"], folder, time.perf_counter() - started
+        )
+    return RestoreReport(
+        step=doc["step"],
+        restored=True,
+        path=str(folder),
+        components=status,
+        verified=True,
+        saved_world_size=saved_world,
+        world_size=world,
+        resharded=saved_world != world,
+        warnings=warnings,
+    )
+
+
+def _plan(
+    doc: dict[str, Any],
+    components: list[Component],
+    reset: set[str],
+    saved_world: int,
+    world: int,
+) -> tuple[dict[str, str], list[str]]:
+    status: dict[str, str] = {}
+    warnings: list[str] = []
+    for c in components:
+        if c.name in reset:
+            status[c.name] = "reset"
+            logger.warning("component %r starts fresh on request (reset)", c.name)
+            continue
+        if c.name not in doc["components"]:
+            raise IncompleteCheckpointError(
+                f"the checkpoint of step {doc['step']} has no {c.name!r} component, which was "
+                f"passed to the Checkpointer; pass reset={{{c.name!r}}} to start it fresh on "
+                "purpose"
+            )
+        if c.per_rank and saved_world != world:
+            raise IncompleteCheckpointError(
+                f"{c.name!r} is per-rank state saved by {saved_world} rank(s) and cannot be "
+                f"mapped onto {world}; pass reset={{{c.name!r}}} to start it fresh on purpose"
+            )
+        status[c.name] = "restored"
+    for name in doc["components"]:
+        if name not in status:
+            status[name] = "absent"
+            warnings.append(f"the checkpoint has a {name!r} component that was not passed")
+    return status, warnings
+
+
+def _verify_live(c: Component, skeleton: Any, keys: dict[str, dict], rank: int) -> None:
+    live_skeleton, live = live_tensors(c, component_prefix(c, rank))
+    problems = verify.compare_live(keys, live)
+    if not problems and live_skeleton != skeleton:
+        problems.append(
+            f"{c.name}: non-tensor state (hyperparameters, structure) differs from the saved "
+            f"one at {_first_difference(skeleton, live_skeleton, c.name)}"
+        )
+    collective.agree(lambda: verify.raise_problems(problems, repr(c.name)))
+
+
+def _first_difference(a: Any, b: Any, path: str) -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if a.get(k, ...) != b.get(k, ...):
+                return _first_difference(a.get(k), b.get(k), f"{path}/{k}")
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            if x != y:
+                return _first_difference(x, y, f"{path}/{i}")
+    return f"{path} (saved {a!r}, live {b!r})"
+
+
+def _check_probe(
+    recorded: dict[str, Any],
+    probe_fn: probe.Probe,
+    model: Any,
+    rank: int,
+    saved_world: int,
+    world: int,
+) -> None:
+    value = probe.record(probe_fn, model)
+    expected = recorded["ranks"][rank if saved_world == world else 0]
+
+    def compare() -> None:
+        if value != expected:
+            raise StateMismatchError(
+                f"the probe differs after restore: saved {probe.describe(expected)}, now "
+                f"{probe.describe(value)}. The weights the forward pass uses are not the "
+                "ones saved (late installation, DESIGN.md F4)"
+            )
+
+    collective.agree(compare)

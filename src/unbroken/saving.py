@@ -1,0 +1,179 @@
+"""One save: live objects -> flat tensors -> shard files -> manifest -> commit."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.tensor import DTensor
+
+from . import __version__, collective, fingerprint, manifest, tree, verify
+from .errors import CheckpointError
+from .shards import ShardWriter, quiet_single_process
+from .state import Component, device_kind
+from .storage import CheckpointDir
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class SaveRequest:
+    step: int
+    components: list[Component]
+    lineage: list[dict[str, Any]]
+    metrics: list[dict[str, Any]]
+    probe: dict[str, Any] | None  # this rank's probe record
+
+
+def component_prefix(component: Component, rank: int) -> str:
+    return f"{component.name}/rank_{rank:05d}" if component.per_rank else component.name
+
+
+def save(ckdir: CheckpointDir, request: SaveRequest) -> Path:
+    """Write and commit one checkpoint; collective across ranks. Returns its folder."""
+    started = time.perf_counter()
+    rank = collective.rank()
+    partial = collective.from_rank0(
+        collective.agree(lambda: str(ckdir.new_partial(request.step)), only_rank0=True)
+    )
+    partial = Path(partial)
+    try:
+        final = _write(ckdir, partial, request, rank)
+    except BaseException:
+        if rank == 0:
+            ckdir.discard(partial)
+        raise
+    if rank == 0:
+        logger.info(
+            "saved step %d to %s in %.2fs", request.step, final, time.perf_counter() - started
+        )
+    return final
+
+
+def _capture(request: SaveRequest, rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
+    skeletons: dict[str, Any] = {}
+    flat: dict[str, torch.Tensor] = {}
+    for c in request.components:
+        skeletons[c.name] = tree.encode(c.capture(), component_prefix(c, rank), flat)
+    for t in flat.values():
+        manifest.dtype_name(t.dtype)  # refuse unsupported dtypes before writing anything
+    return skeletons, flat
+
+
+def _write(ckdir: CheckpointDir, partial: Path, request: SaveRequest, rank: int) -> Path:
+    captured = collective.agree(lambda: _capture(request, rank))
+    assert captured is not None
+    skeletons, flat = captured
+    writer = ShardWriter(str(partial), rank=rank)
+    try:
+        with quiet_single_process():
+            dcp.save(
+                flat,
+                storage_writer=writer,
+                planner=DefaultSavePlanner(),
+                no_dist=not collective.active(),
+            )
+    except CheckpointException as exc:
+        raise unwrap(exc, f"saving step {request.step}") from None
+
+    per_rank_keys = {
+        k for c in request.components if c.per_rank for k in tree.tensor_keys(skeletons[c.name])
+    }
+    whole_here = per_rank_keys | (
+        {k for k, t in flat.items() if not isinstance(t, DTensor)} if rank == 0 else set()
+    )
+    local = {
+        "partials": verify.partials(flat, whole_here),
+        "info": {k: {"device": device_kind(t)} for k, t in flat.items()},
+        "skeletons": {c.name: skeletons[c.name] for c in request.components if c.per_rank},
+        "file": writer.file_record,
+        "probe": request.probe,
+    }
+    gathered = collective.gather_all(local)
+
+    def commit() -> Path:
+        body = _manifest_body(request, skeletons, writer, gathered)
+        manifest.write(partial, body)
+        final = ckdir.commit(partial, request.step)
+        return final
+
+    final = collective.agree(commit, only_rank0=True)
+    return Path(collective.from_rank0(str(final) if final else None))
+
+
+def _manifest_body(
+    request: SaveRequest, skeletons: dict[str, Any], writer: ShardWriter, gathered: list[dict]
+) -> dict[str, Any]:
+    md = writer.metadata
+    if md is None:
+        raise CheckpointError("internal error: the coordinator has no DCP metadata after save")
+    prints = verify.combine([g["partials"] for g in gathered])
+    info: dict[str, dict] = {}
+    for g in gathered:
+        for k, v in g["info"].items():
+            info.setdefault(k, v)
+    tensors = {}
+    for key, tmd in md.state_dict_metadata.items():
+        chunks = []
+        for c in tmd.chunks:
+            loc = md.storage_data[MetadataIndex(key, c.offsets)]
+            chunks.append(
+                {"offsets": list(c.offsets), "sizes": list(c.sizes), **dataclasses.asdict(loc)}
+            )
+        tensors[key] = {
+            "shape": list(tmd.size),
+            "dtype": manifest.dtype_name(tmd.properties.dtype),
+            "device": info[key]["device"],
+            "fingerprint": prints[key],
+            "chunks": chunks,
+        }
+    components: dict[str, Any] = {}
+    for c in request.components:
+        entry: dict[str, Any] = {"kind": c.kind, "per_rank": c.per_rank}
+        if c.per_rank:
+            entry["ranks"] = {str(r): g["skeletons"][c.name] for r, g in enumerate(gathered)}
+        else:
+            entry["state"] = skeletons[c.name]
+        components[c.name] = entry
+    files = dict(g["file"] for g in gathered if g["file"] is not None)
+    probes = [g["probe"] for g in gathered]
+    return {
+        "step": request.step,
+        "created_unix": time.time(),
+        "world_size": len(gathered),
+        "versions": {
+            "unbroken": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "fingerprint_algorithm": fingerprint.ALGORITHM,
+        "checksum_algorithm": "xxh3-128",
+        "byteorder": sys.byteorder,
+        "components": components,
+        "tensors": tensors,
+        "files": files,
+        "lineage": request.lineage,
+        "metrics": request.metrics,
+        "probe": {"ranks": probes} if probes[0] is not None else None,
+    }
+
+
+def unwrap(exc: CheckpointException, doing: str) -> BaseException:
+    """Turn DCP's multi-rank exception into the first underlying error, rank named."""
+    for rank, failure in sorted(exc.failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
+        if isinstance(inner, CheckpointError):
+            prefix = f"[rank {rank}] " if collective.world_size() > 1 else ""
+            return type(inner)(f"{prefix}{inner}")
+        return CheckpointError(f"{doing} failed on rank {rank}: {type(inner).__name__}: {inner}")
+    return CheckpointError(f"{doing} failed: {exc}")

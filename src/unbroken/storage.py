@@ -1,0 +1,132 @@
+"""Checkpoint directory layout: committed steps, partial saves, atomic commit, removal.
+
+::
+
+    DIR/step_00000200/          a committed checkpoint (it has manifest.json)
+    DIR/.partial-<step>-<id>/   a save in progress: never listed, never loaded
+    DIR/.trash-<step>-<id>/     a checkpoint being deleted: never listed
+
+A save writes everything into a partial directory, writes ``manifest.json`` last, then
+renames the directory into place: the rename is the commit. A crash at any instant
+leaves either the old set of committed steps or the new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+
+from .errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_FOREIGN_MARKERS = (".metadata", ".distcp", ".pt", ".pth", ".ckpt", ".safetensors", ".bin")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointDir:
+    """The root folder of one training run's checkpoints (a local path)."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        text = os.fspath(root)
+        if "://" in text:
+            if not text.startswith("file://"):
+                raise ValueError(
+                    f"path {text!r}: only local paths (or file:// URLs) are supported so far"
+                )
+            text = text.removeprefix("file://")
+        self.root = Path(text)
+        if self.root.exists() and not self.root.is_dir():
+            raise CheckpointError(
+                f"{self.root} is a file, not a checkpoint directory; pass the folder that "
+                "holds step_* checkpoints (or a new folder to start one)"
+            )
+
+    def step_path(self, step: int) -> Path:
+        return self.root / step_dir_name(step)
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            m = _STEP_RE.match(entry.name)
+            if m and (entry / MANIFEST).is_file():
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def check_not_foreign(self) -> None:
+        """Refuse a folder that holds another tool's checkpoint and none of ours."""
+        if not self.root.is_dir() or self.steps():
+            return
+        foreign = sorted(p.name for p in self.root.iterdir() if p.name.endswith(_FOREIGN_MARKERS))
+        if foreign:
+            raise CheckpointError(
+                f"{self.root} holds no unbroken checkpoint but has other checkpoint files "
+                f"({', '.join(foreign[:5])}); point Checkpointer at an empty or unbroken "
+                "folder, or bring those files in with `unbroken import`"
+            )
+
+    def new_partial(self, step: int) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / f".partial-{step_dir_name(step)}-{uuid.uuid4().hex[:12]}"
+        path.mkdir()
+        return path
+
+    def commit(self, partial: Path, step: int) -> Path:
+        """Make ``partial`` the committed checkpoint of ``step`` (atomic rename)."""
+        final = self.step_path(step)
+        trash = None
+        if final.exists():
+            # Re-saving a step (after resuming from an older one): the old copy stays
+            # committed until the new one is complete, then is swapped out.
+            trash = self.root / f".trash-{final.name}-{uuid.uuid4().hex[:12]}"
+            os.rename(final, trash)
+            logger.warning("replacing the existing checkpoint of step %d", step)
+        os.rename(partial, final)
+        _fsync_dir(self.root)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        return final
+
+    def remove(self, step: int) -> None:
+        """Delete a committed checkpoint: un-list it atomically first, then delete files."""
+        path = self.step_path(step)
+        trash = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:12]}"
+        os.rename(path, trash)
+        _fsync_dir(self.root)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def discard(self, partial: Path) -> None:
+        shutil.rmtree(partial, ignore_errors=True)
+
+    def clean_leftovers(self) -> list[str]:
+        """Remove partial saves and half-deleted checkpoints left by a crash."""
+        if not self.root.is_dir():
+            return []
+        removed = []
+        for entry in self.root.iterdir():
+            if entry.name.startswith((".partial-", ".trash-")) and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry.name)
+        if removed:
+            logger.info("removed %d leftover partial save(s) in %s", len(removed), self.root)
+        return removed
