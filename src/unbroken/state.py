@@ -34,10 +34,6 @@ def _listing(names: list[str]) -> str:
     return shown + (f" and {more} more" if more > 0 else "")
 
 
-def global_shape(t: torch.Tensor) -> list[int]:
-    return list(t.shape)
-
-
 def device_kind(t: torch.Tensor) -> str:
     local = t.to_local() if isinstance(t, DTensor) else t
     return local.device.type
@@ -143,16 +139,16 @@ class ModelComponent(Component):
                 f"the checkpoint holds {len(unknown)} tensor(s) the live model lacks: "
                 f"{_listing(unknown)}; the architecture changed since the save"
             )
-        out = {}
-        for key, entry in saved_keys.items():
-            shape = global_shape(live[key])
-            if shape != entry["shape"]:
-                raise StateMismatchError(
-                    f"{key}: saved shape {tuple(entry['shape'])}, live shape {tuple(shape)}; "
-                    "the architecture changed since the save"
-                )
-            out[key] = empty_target(entry, live[key])
-        return out
+        wrong = [
+            f"{key}: saved shape {tuple(entry['shape'])}, live shape {tuple(live[key].shape)}"
+            for key, entry in saved_keys.items()
+            if list(live[key].shape) != entry["shape"]
+        ]
+        if wrong:
+            raise StateMismatchError(
+                "the architecture changed since the save: " + "; ".join(wrong[:_MAX_LISTED])
+            )
+        return {key: empty_target(entry, live[key]) for key, entry in saved_keys.items()}
 
     def install(self, state: Any) -> None:
         options = StateDictOptions(strict=True)

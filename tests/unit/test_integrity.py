@@ -1,0 +1,171 @@
+"""Commit protocol, retention and damaged files: nothing damaged is ever loaded."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+
+import pytest
+import torch
+
+import unbroken as ub
+from conftest import Problem
+
+
+def _two_saves(ckpt_dir, **kwargs) -> Problem:
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir, **kwargs)
+    for step in (1, 2):
+        p.step()
+        ckpt.save(step)
+    return p
+
+
+def _shard(ckpt_dir, step=2):
+    return ckpt_dir / f"step_{step:08d}" / "rank_00000.bin"
+
+
+@pytest.mark.parametrize(
+    ("damage", "match"),
+    [
+        (lambda f: f.write_bytes(f.read_bytes()[:-7]), "rank_00000.bin"),
+        (lambda f: f.unlink(), "rank_00000.bin is missing"),
+        (lambda f: f.write_bytes(_flip(f.read_bytes(), 40)), "fail their checksum"),
+        (lambda f: (f.parent / "rank_00001.bin").write_bytes(b"x"), "rank_00001.bin"),
+        (lambda f: (f.parent / "manifest.json").write_text(
+            (f.parent / "manifest.json").read_text().replace('"step": 2', '"step": 3')),
+         "manifest was altered"),
+        (lambda f: (f.parent / "manifest.json").write_text("{not json"), "not valid JSON"),
+    ],
+    ids=["truncated", "missing", "bit-flip", "extra-file", "manifest-altered", "manifest-garbage"],
+)  # fmt: skip
+def test_damaged_checkpoint_is_refused_naming_the_file(ckpt_dir, damage, match):
+    _two_saves(ckpt_dir)
+    damage(_shard(ckpt_dir))
+    fresh = Problem(seed=1)
+    before = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    with pytest.raises(ub.CorruptCheckpointError, match=match):
+        fresh.checkpointer(ckpt_dir).restore(step=2)
+    for k, v in fresh.model.state_dict().items():
+        assert torch.equal(v, before[k]), f"{k} was modified by a failed restore"
+    assert fresh.checkpointer(ckpt_dir).restore(step=1).step == 1  # the older one is sound
+
+
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x01]) + data[at + 1 :]
+
+
+def test_partial_saves_are_never_listed_and_are_cleaned(ckpt_dir):
+    _two_saves(ckpt_dir)
+    partial = ckpt_dir / ".partial-step_00000003-deadbeef"
+    partial.mkdir()
+    (partial / "rank_00000.bin").write_bytes(b"half")
+    uncommitted = ckpt_dir / "step_00000004"  # a folder without a manifest is not committed
+    uncommitted.mkdir()
+    ckpt = Problem().checkpointer(ckpt_dir)
+    assert ckpt.steps() == [1, 2] and ckpt.latest_step() == 2
+    assert ckpt.restore().step == 2
+    assert not partial.exists()
+
+
+def test_failed_save_leaves_previous_checkpoint_untouched(ckpt_dir):
+    class Exploding:
+        def state_dict(self):
+            raise RuntimeError("disk on fire")
+
+        def load_state_dict(self, state):
+            pass
+
+    p = _two_saves(ckpt_dir)
+    digest = _tree_digest(ckpt_dir)
+    ckpt = p.checkpointer(ckpt_dir, extra={"boom": Exploding()})
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        ckpt.save(3)
+    assert _tree_digest(ckpt_dir) == digest
+    assert ckpt.steps() == [1, 2]
+
+
+def test_unpicklable_state_is_refused_before_writing(ckpt_dir):
+    class Weird:
+        def state_dict(self):
+            return {"fn": object()}
+
+        def load_state_dict(self, state):
+            pass
+
+    p = Problem()
+    with pytest.raises(TypeError, match="weird/fn"):
+        p.checkpointer(ckpt_dir, extra={"weird": Weird()}).save(1)
+    assert list(ckpt_dir.iterdir()) == []
+
+
+def test_keep_last_retention(ckpt_dir):
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir, keep_last=2)
+    for step in range(1, 6):
+        p.step()
+        ckpt.save(step)
+    assert ckpt.steps() == [4, 5]
+    assert sorted(x.name for x in ckpt_dir.iterdir()) == ["step_00000004", "step_00000005"]
+
+
+def test_keep_last_is_validated():
+    with pytest.raises(ValueError, match="keep_last must be >= 1 or None, got 0"):
+        Problem().checkpointer("x", keep_last=0)
+
+
+def test_restore_never_modifies_a_committed_checkpoint(ckpt_dir):
+    _two_saves(ckpt_dir)
+    digest = _tree_digest(ckpt_dir)
+    Problem(seed=2).checkpointer(ckpt_dir).restore()
+    Problem(seed=2).checkpointer(ckpt_dir).restore(step=1)
+    assert _tree_digest(ckpt_dir) == digest
+
+
+def test_manifest_records_what_was_saved(ckpt_dir):
+    _two_saves(ckpt_dir)
+    doc = json.loads((ckpt_dir / "step_00000002" / "manifest.json").read_text())
+    assert doc["format_version"] == 1 and doc["step"] == 2 and doc["world_size"] == 1
+    entry = doc["tensors"]["optimizer/state/inp.weight/exp_avg"]
+    assert entry["dtype"] == "float32" and entry["shape"] == [8, 4]
+    assert len(entry["fingerprint"]) == 16
+    assert set(doc["files"]) == {"rank_00000.bin"}
+    assert doc["versions"]["torch"] == torch.__version__
+
+
+def _tree_digest(root) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+# Security --------------------------------------------------------------------------------
+
+
+def test_restore_never_unpickles(ckpt_dir, monkeypatch):
+    """DCP's .metadata is a pickle: loading an untrusted checkpoint could run code. Our
+    restore must succeed with every pickle entry point disabled."""
+    saved = _two_saves(ckpt_dir)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("restore tried to unpickle")
+
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    fresh = Problem(seed=1)
+    assert fresh.checkpointer(ckpt_dir).restore().verified
+    assert torch.equal(fresh.model.inp.weight, saved.model.inp.weight)
+
+
+def test_planted_pickle_is_never_read(ckpt_dir):
+    """A crafted .metadata pickle next to our files is refused, not executed."""
+    _two_saves(ckpt_dir)
+    payload = b"cos\nsystem\n(S'touch /tmp/unbroken-pwned'\ntR."
+    (ckpt_dir / "step_00000002" / ".metadata").write_bytes(payload)
+    with pytest.raises(ub.CorruptCheckpointError, match=r"\.metadata"):
+        Problem().checkpointer(ckpt_dir).restore()
