@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -14,6 +13,8 @@ from torch import nn
 
 from . import collective, probe, restoring, saving
 from .errors import CheckpointError
+from .metrics import MetricLog
+from .monitor import HealthCheck
 from .report import RestoreReport
 from .rng import RNGState
 from .state import Component, ModelComponent, OptimizerComponent, StatefulComponent
@@ -84,7 +85,8 @@ class Checkpointer:
         self._lineage: list[dict[str, Any]] = [
             {"event": "start", "time": time.time(), "world_size": collective.world_size()}
         ]
-        self._metrics: dict[int, dict[str, float]] = {}
+        self._metrics = MetricLog()
+        self._health: HealthCheck | None = None
         self._stop = StopPolicy()
         self._closed = False
 
@@ -136,11 +138,12 @@ class Checkpointer:
             step=step,
             components=self._components,
             lineage=self._lineage,
-            metrics=[{"step": s, **m} for s, m in self._metric_window(step)],
+            metrics=self._metrics.window(step, METRICS_WINDOW),
             probe=record,
         )
         final = saving.save(self._dir, request)
         self._apply_retention(step)
+        self._flush_metrics()
         return str(final)
 
     def restore(
@@ -181,30 +184,27 @@ class Checkpointer:
                 "reset": sorted(reset_set),
             },
         ]
-        self._metrics = {
-            m["step"]: {k: v for k, v in m.items() if k != "step"} for m in doc.get("metrics", [])
-        }
+        self._metrics.load_window(doc.get("metrics", []), resumed_from=chosen)
+        self._health = HealthCheck(self._metrics.values, chosen)
         if collective.rank() == 0:
             logger.info("%s", report)
         return report
 
     def track(self, step: int, **metrics: float | torch.Tensor) -> None:
-        """Record scalar metrics of ``step``; the last steps are kept with each checkpoint."""
-        values = {}
-        for name, value in metrics.items():
-            if isinstance(value, torch.Tensor):
-                if value.numel() != 1:
-                    raise ValueError(
-                        f"metric {name!r} must be a scalar, got shape {tuple(value.shape)}"
-                    )
-                value = value.item()
-            value = float(value)
-            values[name] = value if math.isfinite(value) else repr(value)
-        self._metrics[step] = values
+        """Record scalar metrics of ``step`` (floats or 0-d tensors).
 
-    def _metric_window(self, upto: int) -> list[tuple[int, dict[str, float]]]:
-        steps = sorted(s for s in self._metrics if s <= upto)[-METRICS_WINDOW:]
-        return [(s, self._metrics[s]) for s in steps]
+        The last steps go into each checkpoint's manifest, the whole series into
+        ``metrics.jsonl`` (see :func:`unbroken.metrics.read_series`); after a resume they
+        feed the health check, whose findings are logged and kept in :attr:`warnings`.
+        """
+        self._metrics.track(step, metrics)
+        if self._health is not None:
+            self._health.observe(step, self._metrics.values[step])
+
+    @property
+    def warnings(self) -> list[str]:
+        """Health-check warnings about the last resume (empty when it looks right)."""
+        return list(self._health.warnings) if self._health is not None else []
 
     def should_stop(self, step: int) -> bool:
         """True on every rank once SIGTERM/SIGUSR1 arrived, or at ``UNBROKEN_STOP_AT``."""
@@ -215,6 +215,7 @@ class Checkpointer:
         if not self._closed:
             self._stop.close()
             self._closed = True
+            self._flush_metrics()
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -225,6 +226,9 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
+
+    def _flush_metrics(self) -> None:
+        collective.agree(lambda: self._metrics.flush(self._dir.root), only_rank0=True)
 
     def _apply_retention(self, newest: int) -> None:
         if self._keep_last is None:

@@ -107,7 +107,8 @@ def test_keep_last_retention(ckpt_dir):
         p.step()
         ckpt.save(step)
     assert ckpt.steps() == [4, 5]
-    assert sorted(x.name for x in ckpt_dir.iterdir()) == ["step_00000004", "step_00000005"]
+    folders = sorted(x.name for x in ckpt_dir.iterdir() if x.is_dir())
+    assert folders == ["step_00000004", "step_00000005"]
 
 
 def test_keep_last_is_validated():

@@ -1,0 +1,144 @@
+"""Tracked metrics survive resumes as one series, and the health check reads them."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+
+from conftest import Problem
+from unbroken import monitor
+from unbroken.metrics import read_series
+
+
+def _run(ckpt_dir, upto, *, save_at=(), seed=0, restore_step=None, close=True):
+    p = Problem(seed=seed)
+    ckpt = p.checkpointer(ckpt_dir, keep_last=None)
+    start = ckpt.restore(step=restore_step).step
+    for step in range(start, upto):
+        ckpt.track(step + 1, loss=p.step(), grad_norm=torch.tensor(1.0 + step))
+        if step + 1 in save_at:
+            ckpt.save(step + 1)
+    if close:
+        ckpt.close()
+    return ckpt
+
+
+def test_series_across_resumes_has_no_duplicates(ckpt_dir):
+    _run(ckpt_dir, 6, save_at={3, 6})
+    _run(ckpt_dir, 9, save_at={9})  # resumes from 6
+    _run(ckpt_dir, 8, restore_step=3, close=True)  # replays 4..8 from step 3
+    series = read_series(ckpt_dir)
+    assert series.steps("loss") == [1, 2, 3, 4, 5, 6, 7, 8]  # 9 belonged to a dead timeline
+    assert series.resumes == [3]
+    assert [v for _, v in series.values["grad_norm"]] == [float(s) for s in range(1, 9)]
+
+
+def test_torn_last_line_is_ignored(ckpt_dir):
+    _run(ckpt_dir, 3, save_at={3})
+    with open(ckpt_dir / "metrics.jsonl", "a") as f:
+        f.write('{"segment": "x", "step": 4, "metr')
+    assert read_series(ckpt_dir).steps("loss") == [1, 2, 3]
+
+
+def test_window_goes_into_the_manifest(ckpt_dir):
+    _run(ckpt_dir, 4, save_at={4})
+    doc = json.loads((ckpt_dir / "step_00000004" / "manifest.json").read_text())
+    assert [m["step"] for m in doc["metrics"]] == [1, 2, 3, 4]
+    assert doc["metrics"][0]["grad_norm"] == 1.0
+
+
+def test_track_refuses_non_scalars(ckpt_dir):
+    ckpt = Problem().checkpointer(ckpt_dir)
+    with pytest.raises(ValueError, match="'loss' must be a scalar"):
+        ckpt.track(1, loss=torch.ones(2))
+    with pytest.raises(TypeError, match="'loss'"):
+        ckpt.track(1, loss="low")
+
+
+def test_non_finite_metrics_round_trip(ckpt_dir):
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir)
+    ckpt.track(1, loss=float("nan"))
+    ckpt.save(1)
+    assert math.isnan(read_series(ckpt_dir).values["loss"][0][1])
+
+
+# Health check ---------------------------------------------------------------------------
+
+
+def _curve(n, start, rate, noise=0.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        start * math.exp(-rate * i) + noise * float(torch.randn(1, generator=g)) for i in range(n)
+    ]
+
+
+def test_health_check_quiet_on_a_continuing_curve():
+    loss = _curve(60, 3.0, 0.03, noise=0.02)
+    gn = _curve(60, 2.0, 0.01, noise=0.05, seed=1)
+    assert monitor.diagnose(loss[:30], loss[30:], gn[:30], gn[30:]) == []
+
+
+def test_health_check_names_the_lost_optimizer_signature():
+    """F3: loss up while grad norm down right after the resume."""
+    loss = _curve(30, 3.0, 0.03, noise=0.02)
+    gn = _curve(30, 2.0, 0.01, noise=0.05, seed=1)
+    after_loss = [loss[-1] * 1.6 + 0.01 * i for i in range(10)]
+    after_gn = [gn[-1] * 0.4] * 10
+    (warning,) = monitor.diagnose(loss, after_loss, gn, after_gn)
+    assert "lost optimizer state" in warning
+
+
+def test_health_check_flags_a_spike():
+    loss = _curve(30, 3.0, 0.03, noise=0.02)
+    after = [loss[-1] * 2.5, *loss[-1:] * 9]
+    (warning,) = monitor.diagnose(loss, after)
+    assert "loss spike" in warning
+
+
+def test_health_check_through_the_checkpointer(ckpt_dir):
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir)
+    for step in range(1, 21):
+        ckpt.track(step, loss=1.0 - 0.01 * step, grad_norm=1.0)
+    ckpt.save(20)
+    q = Problem()
+    resumed = q.checkpointer(ckpt_dir)
+    resumed.restore()
+    for step in range(21, 30):
+        resumed.track(step, loss=3.0, grad_norm=0.2)
+    assert len(resumed.warnings) == 1 and "lost optimizer state" in resumed.warnings[0]
+
+
+# Stopping -------------------------------------------------------------------------------
+
+
+def test_stop_at_environment_variable(ckpt_dir, monkeypatch):
+    monkeypatch.setenv("UNBROKEN_STOP_AT", "3")
+    ckpt = Problem().checkpointer(ckpt_dir)
+    assert [ckpt.should_stop(s) for s in (1, 2, 3, 3, 4)] == [False, False, True, True, False]
+    monkeypatch.setenv("UNBROKEN_STOP_AT", "soon")
+    with pytest.raises(ValueError, match="UNBROKEN_STOP_AT"):
+        ckpt.should_stop(5)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_requests_a_stop_and_handlers_are_restored(ckpt_dir, sig):
+    calls = []
+    previous = signal.signal(sig, lambda *a: calls.append(a))
+    try:
+        ckpt = Problem().checkpointer(ckpt_dir)
+        assert not ckpt.should_stop(1)
+        os.kill(os.getpid(), sig)
+        assert ckpt.should_stop(2)
+        ckpt.close()
+        assert calls == []  # ours caught it, not the previous handler
+        os.kill(os.getpid(), sig)
+        assert len(calls) == 1  # restored on close
+    finally:
+        signal.signal(sig, previous)
