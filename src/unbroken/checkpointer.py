@@ -199,7 +199,8 @@ class Checkpointer:
         """
         self._metrics.track(step, metrics)
         if self._health is not None:
-            self._health.observe(step, self._metrics.values[step])
+            for warning in self._health.observe(step, self._metrics.values[step]):
+                self._metrics.note(step, warning)
 
     @property
     def warnings(self) -> list[str]:

@@ -52,6 +52,11 @@ class MetricLog:
         self.resumed_from: int | None = None
         self._flushed: set[int] = set()
         self._header_written = False
+        self._notes: list[dict[str, Any]] = []
+
+    def note(self, step: int, warning: str) -> None:
+        """Keep a health-check warning with the series (written at the next flush)."""
+        self._notes.append({"segment": self.segment, "step": step, "warning": warning})
 
     def track(self, step: int, metrics: dict[str, float | torch.Tensor]) -> None:
         if not isinstance(step, int) or isinstance(step, bool):
@@ -75,7 +80,7 @@ class MetricLog:
     def flush(self, root: Path) -> None:
         """Append unwritten steps to ``root/metrics.jsonl`` (rank 0 only)."""
         pending = sorted(s for s in self.values if s not in self._flushed)
-        if not pending:
+        if not pending and not self._notes:
             return
         lines = []
         if not self._header_written:
@@ -88,6 +93,7 @@ class MetricLog:
         for s in pending:
             values = {k: _json_value(v) for k, v in self.values[s].items()}
             lines.append({"segment": self.segment, "step": s, "metrics": values})
+        lines.extend(self._notes)
         root.mkdir(parents=True, exist_ok=True)
         with open(root / FILE, "a", encoding="utf-8") as f:
             f.write("".join(json.dumps(line, allow_nan=False) + "\n" for line in lines))
@@ -95,6 +101,7 @@ class MetricLog:
             os.fsync(f.fileno())
         self._header_written = True
         self._flushed.update(pending)
+        self._notes.clear()
 
 
 @dataclasses.dataclass
@@ -103,6 +110,7 @@ class Series:
 
     values: dict[str, list[tuple[int, float]]]
     resumes: list[int]  # steps at which a resumed segment took over
+    warnings: list[tuple[int, str]]  # health-check warnings: (step, text)
 
     def steps(self, name: str) -> list[int]:
         return [s for s, _ in self.values.get(name, [])]
@@ -113,12 +121,16 @@ def read_series(root: str | os.PathLike) -> Series:
     path = Path(root) / FILE
     by_step: dict[int, dict[str, float]] = {}
     resumes: list[int] = []
+    warnings: list[tuple[int, str]] = []
     if path.is_file():
         for raw in path.read_text(encoding="utf-8").splitlines():
             try:
                 line = json.loads(raw)
             except ValueError:
                 continue  # a torn last line from a crash mid-append
+            if "warning" in line:
+                warnings.append((line["step"], line["warning"]))
+                continue
             if "step" not in line:
                 start = line.get("resumed_from")
                 if start is not None:
@@ -130,4 +142,4 @@ def read_series(root: str | os.PathLike) -> Series:
     for s in sorted(by_step):
         for k, v in by_step[s].items():
             values.setdefault(k, []).append((s, v))
-    return Series(values=values, resumes=resumes)
+    return Series(values=values, resumes=resumes, warnings=warnings)

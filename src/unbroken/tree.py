@@ -24,7 +24,7 @@ def _escape(segment: str) -> str:
 
 def join_key(*segments: object) -> str:
     """Join path segments into a flat tensor key (``/``-separated, segments escaped)."""
-    return "/".join(_escape(str(s)) for s in segments)
+    return "/".join(s if isinstance(s, _Raw) else _escape(str(s)) for s in segments)
 
 
 def encode(
@@ -36,7 +36,12 @@ def encode(
     Raises:
         TypeError: a value cannot be saved without pickling; the message names its path.
     """
-    return _encode(value, [prefix], tensors, key_for)
+    # The prefix is ours (``component`` or ``component/rank_00001``): not escaped.
+    return _encode(value, [_Raw(prefix)], tensors, key_for)
+
+
+class _Raw(str):
+    """A path segment joined as is."""
 
 
 def _encode(value: Any, path: list, tensors: dict, key_for: Callable | None) -> Any:

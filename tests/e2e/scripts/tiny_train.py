@@ -1,0 +1,81 @@
+"""A small, learnable training script for harness tests; ``TINY_BUG`` injects resume bugs.
+
+    python tiny_train.py DIR [--steps N]
+
+TINY_BUG=reseed     reseeds the RNGs after restore (lost RNG state)
+TINY_BUG=data       rebuilds the dataloader after restore (lost data position)
+TINY_BUG=optimizer  rebuilds the optimizer after restore (lost moments: the F3 bug)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+
+import numpy as np
+import torch
+from torch import nn
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import unbroken as ub
+
+
+def build_loader() -> StatefulDataLoader:
+    # Rows are drawn in random order once; each epoch walks them in that order. (With
+    # shuffle=True and a generator, torchdata 0.11 resumes mid-epoch correctly but
+    # shuffles the *next* epoch differently: the resume test catches that.) The loader
+    # gets its own generator because iter(loader) draws a seed from it, or else from the
+    # global RNG, which would shift dropout masks after a resume.
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(512, 8, generator=g)
+    y = torch.sin(x).sum(dim=1, keepdim=True) + 0.5 * x[:, :1] * x[:, 1:2]
+    dataset = torch.utils.data.TensorDataset(x, y)
+    return StatefulDataLoader(dataset, batch_size=16, generator=torch.Generator())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("dir")
+    parser.add_argument("--steps", type=int, default=40)
+    args = parser.parse_args()
+    bug = os.environ.get("TINY_BUG", "")
+
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
+    loader = build_loader()
+    ckpt = ub.Checkpointer(args.dir, model=model, optimizer=opt, scheduler=sched, dataloader=loader)
+    start = ckpt.restore().step
+    if start and bug == "reseed":
+        torch.manual_seed(0)
+    if start and bug == "data":
+        loader = build_loader()
+    if start and bug == "optimizer":
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
+    batches = iter(loader)
+    for step in range(start, args.steps):
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            batches = iter(loader)
+            x, y = next(batches)
+        loss = (model(x) - y).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        ckpt.track(step + 1, loss=loss, grad_norm=grad_norm)
+        if (step + 1) % 10 == 0 or ckpt.should_stop(step + 1):
+            ckpt.save(step + 1)
+        if ckpt.should_stop(step + 1):
+            break
+    ckpt.close()
+
+
+if __name__ == "__main__":
+    main()
