@@ -6,9 +6,11 @@ import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import collective, probe, restoring, saving
@@ -17,6 +19,7 @@ from .metrics import MetricLog
 from .monitor import HealthCheck
 from .report import RestoreReport
 from .rng import RNGState
+from .staging import StagingBuffers
 from .state import Component, ModelComponent, OptimizerComponent, StatefulComponent
 from .stopping import StopPolicy
 from .storage import CheckpointDir
@@ -46,7 +49,10 @@ class Checkpointer:
         probe: ``callable(model) -> Tensor | float``, recorded at save and recomputed
             after restore; any difference raises ``StateMismatchError``.
         keep_last: committed checkpoints to keep (None: keep all).
-        async_save: write in the background after staging (not available yet).
+        async_save: ``save()`` returns once the state is copied into reusable host
+            buffers (one extra copy of the state in memory); writing, fingerprinting and
+            the commit run in a background thread. One save is in flight at a time: the
+            next ``save()``, ``restore()`` or ``close()`` waits for it and raises its error.
 
     Example::
 
@@ -73,8 +79,6 @@ class Checkpointer:
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
-        if async_save:
-            raise ValueError("async_save=True is not available yet; use async_save=False")
         if probe is not None and not callable(probe):
             raise TypeError(f"probe must be callable(model), got {type(probe).__name__}")
         self._dir = CheckpointDir(path)
@@ -89,6 +93,15 @@ class Checkpointer:
         self._health: HealthCheck | None = None
         self._stop = StopPolicy()
         self._closed = False
+        self._async = bool(async_save)
+        self._buffers = StagingBuffers() if self._async else None
+        self._pending: Future[None] | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        # A background save runs its collectives on a group of its own, so they never
+        # interleave with the training loop's collectives on the default group.
+        self._group = (
+            dist.new_group(backend="gloo") if self._async and collective.active() else None
+        )
 
     @staticmethod
     def _build_components(model, optimizer, scheduler, dataloader, extra) -> list[Component]:
@@ -141,10 +154,30 @@ class Checkpointer:
             metrics=self._metrics.window(step, METRICS_WINDOW),
             probe=record,
         )
-        final = saving.save(self._dir, request)
-        self._apply_retention(step)
+        self.wait()
+        if not self._async:
+            self._finish_save(saving.stage(request))
+            return str(self._dir.step_path(step))
+        staged = saving.stage(request, self._buffers)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-save")
+        self._pending = self._executor.submit(self._finish_save_in_background, staged)
+        return str(self._dir.step_path(step))
+
+    def _finish_save(self, staged: saving.Staged) -> None:
+        saving.write(self._dir, staged)
+        self._apply_retention(staged.request.step)
         self._flush_metrics()
-        return str(final)
+
+    def _finish_save_in_background(self, staged: saving.Staged) -> None:
+        with collective.using(self._group):
+            self._finish_save(staged)
+
+    def wait(self) -> None:
+        """Wait for an in-flight asynchronous save; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
 
     def restore(
         self, step: int | None = None, *, reset: Iterable[str] | None = None
@@ -160,6 +193,7 @@ class Checkpointer:
             StateMismatchError: it does not fit the live objects, or verification failed.
         """
         self._check_open()
+        self.wait()
         reset_set = set(reset or ())
         names = [c.name for c in self._components]
         unknown = sorted(reset_set - set(names))
@@ -213,10 +247,16 @@ class Checkpointer:
 
     def close(self) -> None:
         """Finish pending work and restore the previous signal handlers."""
-        if not self._closed:
-            self._stop.close()
-            self._closed = True
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.wait()
             self._flush_metrics()
+        finally:
+            self._stop.close()
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -6,7 +6,9 @@ all of them (:func:`agree`), so no rank waits in a collective while another has 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -14,6 +16,23 @@ import torch.distributed as dist
 from .errors import CheckpointError
 
 T = TypeVar("T")
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def using(group: Any) -> Iterator[None]:
+    """Run this thread's collectives on ``group`` (e.g. a background save's own group)."""
+    previous = getattr(_local, "group", None)
+    _local.group = group
+    try:
+        yield
+    finally:
+        _local.group = previous
+
+
+def group() -> Any:
+    """The process group of this thread's collectives (None: the default group)."""
+    return getattr(_local, "group", None)
 
 
 def active() -> bool:
@@ -30,7 +49,7 @@ def world_size() -> int:
 
 def barrier() -> None:
     if active():
-        dist.barrier()
+        dist.barrier(group=group())
 
 
 def gather_all(value: Any) -> list[Any]:
@@ -38,7 +57,7 @@ def gather_all(value: Any) -> list[Any]:
     if not active():
         return [value]
     out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group())
     return out
 
 
@@ -47,7 +66,7 @@ def from_rank0(value: Any) -> Any:
     if not active():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group())
     return box[0]
 
 

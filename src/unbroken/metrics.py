@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import os
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -53,6 +54,8 @@ class MetricLog:
         self._flushed: set[int] = set()
         self._header_written = False
         self._notes: list[dict[str, Any]] = []
+        # track() runs in the training loop while a background save may flush.
+        self._lock = threading.Lock()
 
     def note(self, step: int, warning: str) -> None:
         """Keep a health-check warning with the series (written at the next flush)."""
@@ -61,11 +64,14 @@ class MetricLog:
     def track(self, step: int, metrics: dict[str, float | torch.Tensor]) -> None:
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {step!r}")
-        self.values[step] = {k: as_float(k, v) for k, v in metrics.items()}
-        self._flushed.discard(step)
+        values = {k: as_float(k, v) for k, v in metrics.items()}
+        with self._lock:
+            self.values[step] = values
+            self._flushed.discard(step)
 
     def window(self, upto: int, size: int) -> list[dict[str, Any]]:
-        steps = sorted(s for s in self.values if s <= upto)[-size:]
+        with self._lock:
+            steps = sorted(s for s in self.values if s <= upto)[-size:]
         return [
             {"step": s, **{k: _json_value(v) for k, v in self.values[s].items()}} for s in steps
         ]
@@ -79,8 +85,11 @@ class MetricLog:
 
     def flush(self, root: Path) -> None:
         """Append unwritten steps to ``root/metrics.jsonl`` (rank 0 only)."""
-        pending = sorted(s for s in self.values if s not in self._flushed)
-        if not pending and not self._notes:
+        with self._lock:
+            pending = sorted(s for s in self.values if s not in self._flushed)
+            records = {s: dict(self.values[s]) for s in pending}
+            notes, self._notes = self._notes, []
+        if not pending and not notes:
             return
         lines = []
         if not self._header_written:
@@ -91,17 +100,17 @@ class MetricLog:
             }
             lines.append(header)
         for s in pending:
-            values = {k: _json_value(v) for k, v in self.values[s].items()}
+            values = {k: _json_value(v) for k, v in records[s].items()}
             lines.append({"segment": self.segment, "step": s, "metrics": values})
-        lines.extend(self._notes)
+        lines.extend(notes)
         root.mkdir(parents=True, exist_ok=True)
         with open(root / FILE, "a", encoding="utf-8") as f:
             f.write("".join(json.dumps(line, allow_nan=False) + "\n" for line in lines))
             f.flush()
             os.fsync(f.fileno())
         self._header_written = True
-        self._flushed.update(pending)
-        self._notes.clear()
+        with self._lock:
+            self._flushed.update(pending)
 
 
 @dataclasses.dataclass

@@ -34,7 +34,7 @@ def choose_step(ckdir: CheckpointDir, step: int | None) -> int | None:
 
     def find() -> int | None:
         ckdir.check_not_foreign()
-        ckdir.clean_leftovers()
+        ckdir.clean_leftovers_if_idle()
         steps = ckdir.steps()
         if step is None:
             return steps[-1] if steps else None

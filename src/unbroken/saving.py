@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import logging
 import platform
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from . import __version__, collective, fingerprint, manifest, tree, verify
 from .errors import CheckpointError
 from .shards import ShardWriter, quiet_single_process
+from .staging import StagingBuffers
 from .state import Component, device_kind
 from .storage import CheckpointDir
 
@@ -35,77 +39,113 @@ class SaveRequest:
     probe: dict[str, Any] | None  # this rank's probe record
 
 
+@dataclasses.dataclass
+class Staged:
+    """What one save writes: JSON skeletons and flat tensors, fixed at ``stage`` time."""
+
+    request: SaveRequest
+    skeletons: dict[str, Any]
+    flat: dict[str, torch.Tensor]
+    devices: dict[str, str]
+
+
 def component_prefix(component: Component, rank: int) -> str:
     return f"{component.name}/rank_{rank:05d}" if component.per_rank else component.name
 
 
-def save(ckdir: CheckpointDir, request: SaveRequest) -> Path:
-    """Write and commit one checkpoint; collective across ranks. Returns its folder."""
+def stage(request: SaveRequest, buffers: StagingBuffers | None = None) -> Staged:
+    """Capture the live state (collective on errors). With ``buffers``, tensors are copied
+    so training may change the live ones while the copy is written in the background."""
+    rank = collective.rank()
+
+    def capture() -> Staged:
+        skeletons: dict[str, Any] = {}
+        flat: dict[str, torch.Tensor] = {}
+        for c in request.components:
+            skeletons[c.name] = tree.encode(c.capture(), component_prefix(c, rank), flat)
+        for t in flat.values():
+            manifest.dtype_name(t.dtype)  # refuse unsupported dtypes before writing anything
+        devices = {k: device_kind(t) for k, t in flat.items()}
+        if buffers is not None:
+            flat = buffers.copy(flat)
+        return Staged(request, skeletons, flat, devices)
+
+    staged = collective.agree(capture)
+    assert staged is not None
+    return staged
+
+
+def write(ckdir: CheckpointDir, staged: Staged) -> Path:
+    """Write and commit a staged checkpoint; collective. Returns the committed folder.
+
+    Rank 0 holds the folder's save lock throughout, cleans leftovers of crashed saves,
+    and removes its partial folder if anything fails: committed checkpoints are never
+    touched by a failed save.
+    """
     started = time.perf_counter()
     rank = collective.rank()
-    partial = collective.from_rank0(
-        collective.agree(lambda: str(ckdir.new_partial(request.step)), only_rank0=True)
-    )
-    partial = Path(partial)
-    try:
-        final = _write(ckdir, partial, request, rank)
-    except BaseException:
-        if rank == 0:
-            ckdir.discard(partial)
-        raise
+    step = staged.request.step
+    with contextlib.ExitStack() as stack:
+
+        def prepare() -> str:
+            stack.enter_context(ckdir.save_lock())
+            ckdir.clean_leftovers()
+            return str(ckdir.new_partial(step))
+
+        partial = Path(collective.from_rank0(collective.agree(prepare, only_rank0=True)))
+        try:
+            final = _write(ckdir, partial, staged, rank)
+        except BaseException:
+            if rank == 0:
+                ckdir.discard(partial)
+            raise
     if rank == 0:
-        logger.info(
-            "saved step %d to %s in %.2fs", request.step, final, time.perf_counter() - started
-        )
+        logger.info("saved step %d to %s in %.2fs", step, final, time.perf_counter() - started)
     return final
 
 
-def _capture(request: SaveRequest, rank: int) -> tuple[dict, dict[str, torch.Tensor]]:
-    skeletons: dict[str, Any] = {}
-    flat: dict[str, torch.Tensor] = {}
-    for c in request.components:
-        skeletons[c.name] = tree.encode(c.capture(), component_prefix(c, rank), flat)
-    for t in flat.values():
-        manifest.dtype_name(t.dtype)  # refuse unsupported dtypes before writing anything
-    return skeletons, flat
-
-
-def _write(ckdir: CheckpointDir, partial: Path, request: SaveRequest, rank: int) -> Path:
-    captured = collective.agree(lambda: _capture(request, rank))
-    assert captured is not None
-    skeletons, flat = captured
-    writer = ShardWriter(str(partial), rank=rank)
-    try:
-        with quiet_single_process():
-            dcp.save(
-                flat,
-                storage_writer=writer,
-                planner=DefaultSavePlanner(),
-                no_dist=not collective.active(),
-            )
-    except CheckpointException as exc:
-        raise unwrap(exc, f"saving step {request.step}") from None
-
+def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Path:
+    request, flat = staged.request, staged.flat
     per_rank_keys = {
-        k for c in request.components if c.per_rank for k in tree.tensor_keys(skeletons[c.name])
+        k
+        for c in request.components
+        if c.per_rank
+        for k in tree.tensor_keys(staged.skeletons[c.name])
     }
     whole_here = per_rank_keys | (
         {k for k, t in flat.items() if not isinstance(t, DTensor)} if rank == 0 else set()
     )
-    local = {
-        "partials": verify.partials(flat, whole_here),
-        "info": {k: {"device": device_kind(t)} for k, t in flat.items()},
-        "skeletons": {c.name: skeletons[c.name] for c in request.components if c.per_rank},
-        "file": writer.file_record,
-        "probe": request.probe,
-    }
+    writer = ShardWriter(str(partial), rank=rank)
+    # Fingerprints are computed while DCP writes: file I/O and torch kernels both
+    # release the GIL, so the two overlap on separate cores.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-fp") as pool:
+        partials = pool.submit(verify.partials, flat, whole_here)
+        try:
+            with quiet_single_process():
+                dcp.save(
+                    flat,
+                    storage_writer=writer,
+                    planner=DefaultSavePlanner(),
+                    process_group=collective.group(),
+                    no_dist=not collective.active(),
+                )
+        except CheckpointException as exc:
+            raise unwrap(exc, f"saving step {request.step} into {partial}") from None
+        local = {
+            "partials": partials.result(),
+            "info": {k: {"device": d} for k, d in staged.devices.items()},
+            "skeletons": {
+                c.name: staged.skeletons[c.name] for c in request.components if c.per_rank
+            },
+            "file": writer.file_record,
+            "probe": request.probe,
+        }
     gathered = collective.gather_all(local)
 
     def commit() -> Path:
-        body = _manifest_body(request, skeletons, writer, gathered)
+        body = _manifest_body(request, staged.skeletons, writer, gathered)
         manifest.write(partial, body)
-        final = ckdir.commit(partial, request.step)
-        return final
+        return ckdir.commit(partial, request.step)
 
     final = collective.agree(commit, only_rank0=True)
     return Path(collective.from_rank0(str(final) if final else None))
@@ -172,8 +212,14 @@ def unwrap(exc: CheckpointException, doing: str) -> BaseException:
     """Turn DCP's multi-rank exception into the first underlying error, rank named."""
     for rank, failure in sorted(exc.failures.items()):
         inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
+        where = f"[rank {rank}] " if collective.world_size() > 1 else ""
         if isinstance(inner, CheckpointError):
-            prefix = f"[rank {rank}] " if collective.world_size() > 1 else ""
-            return type(inner)(f"{prefix}{inner}")
-        return CheckpointError(f"{doing} failed on rank {rank}: {type(inner).__name__}: {inner}")
+            return type(inner)(f"{where}{inner}")
+        if isinstance(inner, OSError) and inner.errno == errno.ENOSPC:
+            return CheckpointError(
+                f"{where}{doing} failed: the disk is full ({inner}). The partial save was "
+                "removed and earlier checkpoints are untouched; free space (or lower "
+                "keep_last) and save again"
+            )
+        return CheckpointError(f"{where}{doing} failed: {type(inner).__name__}: {inner}")
     return CheckpointError(f"{doing} failed: {exc}")

@@ -13,11 +13,16 @@ leaves either the old set of committed steps or the new one.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import logging
 import os
 import re
 import shutil
+import socket
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -25,6 +30,7 @@ from .errors import CheckpointError
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+LOCK = ".lock"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _FOREIGN_MARKERS = (".metadata", ".distcp", ".pt", ".pth", ".ckpt", ".safetensors", ".bin")
 
@@ -85,6 +91,32 @@ class CheckpointDir:
                 "folder, or bring those files in with `unbroken import`"
             )
 
+    @contextlib.contextmanager
+    def save_lock(self) -> Iterator[None]:
+        """Hold the folder's save lock (one saver at a time); fail at once if taken.
+
+        Two jobs saving into one folder (a misconfigured relaunch) would otherwise clean
+        up or overwrite each other's work; the loser gets a clear error instead.
+        """
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+                raise CheckpointError(
+                    f"another save into {self.root} is in progress ({holder}); two jobs "
+                    "must not share a checkpoint folder: stop the other job or use another path"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            yield
+        finally:
+            os.close(fd)
+
     def new_partial(self, step: int) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f".partial-{step_dir_name(step)}-{uuid.uuid4().hex[:12]}"
@@ -119,7 +151,10 @@ class CheckpointDir:
         shutil.rmtree(partial, ignore_errors=True)
 
     def clean_leftovers(self) -> list[str]:
-        """Remove partial saves and half-deleted checkpoints left by a crash."""
+        """Remove partial saves and half-deleted checkpoints left by a crash.
+
+        Call it holding :meth:`save_lock`, so no save in progress loses its folder.
+        """
         if not self.root.is_dir():
             return []
         removed = []
@@ -130,3 +165,13 @@ class CheckpointDir:
         if removed:
             logger.info("removed %d leftover partial save(s) in %s", len(removed), self.root)
         return removed
+
+    def clean_leftovers_if_idle(self) -> list[str]:
+        """:meth:`clean_leftovers` unless another process is saving right now."""
+        if not self.root.is_dir():
+            return []
+        try:
+            with self.save_lock():
+                return self.clean_leftovers()
+        except CheckpointError:
+            return []

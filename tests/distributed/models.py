@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -63,4 +65,5 @@ def full_state(model, opt) -> dict:
     msd, osd = get_state_dict(
         model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
-    return {"model": msd, "optimizer": osd.get("state", {})}
+    # Deep copy: CPU tensors such as AdamW's ``step`` come back as the live objects.
+    return copy.deepcopy({"model": msd, "optimizer": osd.get("state", {})})
