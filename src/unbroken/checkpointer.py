@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import collective, probe, restoring, saving
-from .errors import CheckpointError
+from .errors import CheckpointError, CorruptCheckpointError
 from .metrics import MetricLog
 from .monitor import HealthCheck
 from .report import RestoreReport
@@ -199,15 +199,32 @@ class Checkpointer:
         unknown = sorted(reset_set - set(names))
         if unknown:
             raise ValueError(f"reset names unknown component(s) {unknown}; known: {names}")
-        chosen = restoring.choose_step(self._dir, step)
+        candidates = restoring.candidate_steps(self._dir, step)
         world = collective.world_size()
-        if chosen is None:
+        if not candidates:
             return RestoreReport(world_size=world, components={n: "absent" for n in names})
-        folder = self._dir.step_path(chosen)
-        doc = restoring.read_manifest(folder)
-        report = restoring.restore(
-            folder, doc, self._components, reset_set, self._probe, self._model
-        )
+        skipped: list[str] = []
+        for chosen in candidates:
+            folder = self._dir.step_path(chosen)
+            try:
+                doc = restoring.read_manifest(folder)
+                report = restoring.restore(
+                    folder, doc, self._components, reset_set, self._probe, self._model
+                )
+                break
+            except CorruptCheckpointError as exc:
+                # Damage is detected before any live object is touched, so an older
+                # checkpoint can be tried. An explicitly requested step never falls back.
+                if step is not None:
+                    raise
+                skipped.append(f"skipped the damaged checkpoint of step {chosen}: {exc}")
+                if chosen == candidates[-1]:
+                    raise CorruptCheckpointError(
+                        f"no committed checkpoint in {self._dir.root} is sound: "
+                        + "; ".join(skipped)
+                    ) from exc
+                logger.warning("checkpoint of step %d is damaged, trying an older one", chosen)
+        report.warnings[:0] = skipped
         self._lineage = [
             *doc["lineage"],
             {
@@ -276,6 +293,8 @@ class Checkpointer:
             return
 
         def prune() -> None:
+            # Delete older checkpoints only once the new one reads back as committed.
+            restoring.check_folder(self._dir.step_path(newest))
             steps = self._dir.steps()
             # Retention never removes the newest checkpoint, however steps are ordered.
             doomed = [s for s in steps if s != newest][: max(0, len(steps) - self._keep_last)]

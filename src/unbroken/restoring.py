@@ -29,49 +29,59 @@ from .storage import MANIFEST, CheckpointDir
 logger = logging.getLogger(__name__)
 
 
-def choose_step(ckdir: CheckpointDir, step: int | None) -> int | None:
-    """The committed step to restore (None: fresh start); the same on every rank."""
+def candidate_steps(ckdir: CheckpointDir, step: int | None) -> list[int]:
+    """Steps to try, newest first (just ``step`` if given); the same on every rank."""
 
-    def find() -> int | None:
+    def find() -> list[int]:
         ckdir.check_not_foreign()
         ckdir.clean_leftovers_if_idle()
         steps = ckdir.steps()
         if step is None:
-            return steps[-1] if steps else None
+            return steps[::-1]
         if step not in steps:
             raise CheckpointError(
                 f"step {step} is not a committed checkpoint in {ckdir.root}; committed steps: "
                 f"{steps or 'none'}"
             )
-        return step
+        return [step]
 
     return collective.from_rank0(collective.agree(find, only_rank0=True))
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
-    """Rank 0 reads and checks the manifest and the files it lists; every rank gets it."""
+def check_folder(folder: Path) -> dict[str, Any]:
+    """Read and validate a committed checkpoint's manifest and the files it lists.
 
-    def read() -> dict[str, Any]:
-        doc = manifest.read(folder)
-        for name, rec in doc["files"].items():
-            path = folder / name
-            if not path.is_file():
-                raise CorruptCheckpointError(f"{path} is missing; use an older step")
-            size = path.stat().st_size
-            if size != rec["size"]:
-                raise CorruptCheckpointError(
-                    f"{path} is {size} bytes, the manifest says {rec['size']}: it was "
-                    "truncated or altered; use an older step"
-                )
-        unexpected = sorted(set(os.listdir(folder)) - set(doc["files"]) - {MANIFEST})
-        if unexpected:
+    Raises:
+        CorruptCheckpointError: naming the file that is missing, resized, a link, or
+            not listed in the manifest.
+    """
+    for path in (folder, folder / MANIFEST):
+        if path.is_symlink():
+            raise CorruptCheckpointError(f"{path} is a symbolic link; checkpoints never are")
+    doc = manifest.read(folder)
+    for name, rec in doc["files"].items():
+        path = folder / name
+        if path.is_symlink() or not path.is_file():
+            what = "a symbolic link" if path.is_symlink() else "missing"
+            raise CorruptCheckpointError(f"{path} is {what}; use an older step")
+        size = path.stat().st_size
+        if size != rec["size"]:
             raise CorruptCheckpointError(
-                f"{folder} holds files its manifest does not list ({', '.join(unexpected)}); "
-                "something other than the save wrote there"
+                f"{path} is {size} bytes, the manifest says {rec['size']}: it was "
+                "truncated or altered; use an older step"
             )
-        return doc
+    unexpected = sorted(set(os.listdir(folder)) - set(doc["files"]) - {MANIFEST})
+    if unexpected:
+        raise CorruptCheckpointError(
+            f"{folder} holds files its manifest does not list ({', '.join(unexpected)}); "
+            "something other than the save wrote there"
+        )
+    return doc
 
-    return collective.from_rank0(collective.agree(read, only_rank0=True))
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """Rank 0 checks the folder (:func:`check_folder`); every rank gets the manifest."""
+    return collective.from_rank0(collective.agree(lambda: check_folder(folder), only_rank0=True))
 
 
 def restore(
@@ -119,7 +129,8 @@ def restore(
 
     targets = collective.agree(build_targets)
     assert targets is not None
-    reader = ShardReader(str(folder), doc["tensors"])
+    loaded = verify.LoadedFingerprints(targets)
+    reader = ShardReader(str(folder), doc["tensors"], on_loaded=loaded.loaded)
     try:
         with quiet_single_process():
             dcp.load(
@@ -131,6 +142,11 @@ def restore(
     except CheckpointException as exc:
         raise unwrap(exc, f"reading {folder}") from None
 
+    problems = loaded.check(doc["tensors"])
+    if problems:  # damaged data (or a bug) caught before anything live was touched
+        problems = [f"{folder}: {p}" for p in problems]
+    collective.agree(lambda: _raise_corrupt(problems))
+
     def install() -> None:
         for c in active:
             c.install(tree.decode(skeletons[c.name], targets))
@@ -138,7 +154,7 @@ def restore(
     collective.agree(install)
     for c in active:
         if c.verify_live:
-            _verify_live(c, skeletons[c.name], saved_keys[c.name], rank)
+            _verify_live(c, skeletons[c.name], saved_keys[c.name], targets, rank)
     if doc.get("probe") and probe_fn is not None:
         _check_probe(doc["probe"], probe_fn, model, rank, saved_world, world)
     elif probe_fn is not None:
@@ -159,6 +175,11 @@ def restore(
         resharded=saved_world != world,
         warnings=warnings,
     )
+
+
+def _raise_corrupt(problems: list[str]) -> None:
+    if problems:
+        raise CorruptCheckpointError("; ".join(problems[:5]) + "; use an older step")
 
 
 def _plan(
@@ -194,9 +215,11 @@ def _plan(
     return status, warnings
 
 
-def _verify_live(c: Component, skeleton: Any, keys: dict[str, dict], rank: int) -> None:
+def _verify_live(
+    c: Component, skeleton: Any, keys: dict[str, dict], targets: dict, rank: int
+) -> None:
     live_skeleton, live = live_tensors(c, component_prefix(c, rank))
-    problems = verify.compare_live(keys, live)
+    problems = verify.compare_installed(keys, targets, live)
     if not problems and live_skeleton != skeleton:
         problems.append(
             f"{c.name}: non-tensor state (hyperparameters, structure) differs from the saved "

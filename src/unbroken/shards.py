@@ -13,7 +13,8 @@ import contextlib
 import dataclasses
 import os
 import warnings
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -161,11 +162,18 @@ class ShardReader(StorageReader):
     ``entries`` are the manifest's tensor entries; ``directory`` the checkpoint folder.
     """
 
-    def __init__(self, directory: str, entries: dict[str, dict]) -> None:
+    def __init__(
+        self,
+        directory: str,
+        entries: dict[str, dict],
+        *,
+        on_loaded: Callable[[str], None] | None = None,
+    ) -> None:
         super().__init__()
         self.directory = directory
         self.metadata = metadata_from_entries(entries)
         self.entries = entries
+        self.on_loaded = on_loaded
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass
@@ -186,6 +194,7 @@ class ShardReader(StorageReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         cache: dict[MetadataIndex, torch.Tensor] = {}
+        remaining = Counter(req.dest_index.fqn for req in plan.items)
         for req in sorted(plan.items, key=lambda r: self._location(r.storage_index).offset):
             if req.type != LoadItemType.TENSOR:
                 raise CorruptCheckpointError(
@@ -208,6 +217,11 @@ class ShardReader(StorageReader):
                 )
             target.copy_(piece)
             planner.commit_tensor(req, target)
+            remaining[req.dest_index.fqn] -= 1
+            if remaining[req.dest_index.fqn] == 0:
+                cache.pop(req.storage_index, None)
+                if self.on_loaded is not None:
+                    self.on_loaded(req.dest_index.fqn)
         future: Future[None] = Future()
         future.set_result(None)
         return future

@@ -8,6 +8,7 @@ partials of all ranks add up to the fingerprint of the logical tensor.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -57,16 +58,58 @@ def combine(per_rank: list[dict[str, int]]) -> dict[str, str]:
     return {key: fingerprint.combine(ps) for key, ps in sums.items()}
 
 
-def compare_live(
-    saved: Mapping[str, dict[str, Any]], live: Mapping[str, torch.Tensor]
-) -> list[str]:
-    """Check live tensors against saved entries on every rank; return problems found.
+class LoadedFingerprints:
+    """Fingerprints of freshly loaded tensors, computed in a worker thread as each tensor
+    finishes loading, so the work overlaps with reading the next ones."""
 
-    Collective: every rank must call it with the same keys in ``saved``.
+    def __init__(self, targets: Mapping[str, torch.Tensor]) -> None:
+        self._targets = targets
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-fp")
+        self._futures: dict[str, Future[int | None]] = {}
+
+    def loaded(self, key: str) -> None:
+        if key in self._targets and key not in self._futures:
+            self._futures[key] = self._pool.submit(local_partial, self._targets[key])
+
+    def check(self, entries: Mapping[str, dict[str, Any]]) -> list[str]:
+        """Compare with the manifest's fingerprints (collective); return problems."""
+        try:
+            for key in self._targets:
+                self.loaded(key)
+            done = {key: f.result() for key, f in self._futures.items()}
+        finally:
+            self._pool.shutdown(wait=True)
+        problems = []
+        sharded: dict[str, int] = {}
+        for key, p in done.items():
+            if isinstance(self._targets[key], DTensor):
+                if p is not None:
+                    sharded[key] = p
+            elif fingerprint.combine([p or 0]) != entries[key]["fingerprint"]:
+                problems.append(f"{key}: the loaded value does not match its saved fingerprint")
+        got = combine(collective.gather_all(sharded))
+        for key, t in self._targets.items():
+            if isinstance(t, DTensor) and got.get(key) != entries[key]["fingerprint"]:
+                problems.append(f"{key}: the loaded value does not match its saved fingerprint")
+        return problems
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    local = local.detach().contiguous().reshape(-1)
+    return local.view(torch.uint8) if local.numel() else local
+
+
+def compare_installed(
+    saved: Mapping[str, dict[str, Any]],
+    targets: Mapping[str, torch.Tensor],
+    live: Mapping[str, torch.Tensor],
+) -> list[str]:
+    """Check that the live objects now hold exactly the verified loaded tensors.
+
+    Catches state an install dropped, cast (DESIGN.md F5) or did not copy (F4).
     """
     problems: list[str] = []
-    whole = {k: t for k, t in live.items() if k in saved and not isinstance(t, DTensor)}
-    sharded = {k: t for k, t in live.items() if k in saved and isinstance(t, DTensor)}
     for key, entry in saved.items():
         t = live.get(key)
         if t is None:
@@ -77,13 +120,8 @@ def compare_live(
             problems.append(f"{key}: saved as {entry['dtype']}, live is {dtype} after restore")
         elif list(t.shape) != entry["shape"]:
             problems.append(f"{key}: saved shape {entry['shape']}, live {list(t.shape)}")
-    for key, t in whole.items():
-        if fingerprint.fingerprint(t) != saved[key]["fingerprint"]:
-            problems.append(f"{key}: value differs from the saved one after restore")
-    got = combine(collective.gather_all(partials(sharded, ())))
-    for key in sharded:
-        if got.get(key) != saved[key]["fingerprint"]:
-            problems.append(f"{key}: value differs from the saved one after restore")
+        elif t is not targets[key] and not torch.equal(_bits(t), _bits(targets[key])):
+            problems.append(f"{key}: the live value differs from the loaded one after restore")
     return problems
 
 

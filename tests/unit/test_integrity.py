@@ -169,4 +169,53 @@ def test_planted_pickle_is_never_read(ckpt_dir):
     payload = b"cos\nsystem\n(S'touch /tmp/unbroken-pwned'\ntR."
     (ckpt_dir / "step_00000002" / ".metadata").write_bytes(payload)
     with pytest.raises(ub.CorruptCheckpointError, match=r"\.metadata"):
+        Problem().checkpointer(ckpt_dir).restore(step=2)
+
+
+def test_restore_latest_falls_back_past_a_damaged_checkpoint(ckpt_dir):
+    """Designed behaviour: with no step given, a damaged newest checkpoint (detected before
+    any live object is touched) is skipped with a warning and the newest sound one is
+    restored; a step asked for explicitly never falls back."""
+    saved = Problem()
+    ckpt = saved.checkpointer(ckpt_dir, keep_last=None)
+    for step in (1, 2, 3):
+        saved.step()
+        ckpt.save(step)
+        if step == 1:
+            at_step_1 = {k: v.clone() for k, v in saved.model.state_dict().items()}
+    for step in (2, 3):
+        shard = _shard(ckpt_dir, step)
+        shard.write_bytes(_flip(shard.read_bytes(), 100))
+    fresh = Problem(seed=1)
+    report = fresh.checkpointer(ckpt_dir).restore()
+    assert report.step == 1
+    assert [w.split(":")[0] for w in report.warnings[:2]] == [
+        "skipped the damaged checkpoint of step 3",
+        "skipped the damaged checkpoint of step 2",
+    ]
+    for k, v in fresh.model.state_dict().items():
+        assert torch.equal(v, at_step_1[k]), k
+    with pytest.raises(ub.CorruptCheckpointError, match="step_00000003"):
+        Problem().checkpointer(ckpt_dir).restore(step=3)
+
+
+def test_every_checkpoint_damaged_is_one_error_naming_each(ckpt_dir):
+    _two_saves(ckpt_dir)
+    for step in (1, 2):
+        _shard(ckpt_dir, step).unlink()
+    with pytest.raises(ub.CorruptCheckpointError, match="no committed checkpoint") as info:
         Problem().checkpointer(ckpt_dir).restore()
+    assert "step_00000002/rank_00000.bin" in str(info.value)
+    assert "step_00000001/rank_00000.bin" in str(info.value)
+
+
+def test_symlinked_shard_is_refused(ckpt_dir, tmp_path):
+    """A hostile checkpoint must not make restore read files outside its folder."""
+    _two_saves(ckpt_dir)
+    shard = _shard(ckpt_dir)
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(shard.read_bytes())
+    shard.unlink()
+    shard.symlink_to(outside)
+    with pytest.raises(ub.CorruptCheckpointError, match="symbolic link"):
+        Problem().checkpointer(ckpt_dir).restore(step=2)
