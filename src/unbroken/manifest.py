@@ -74,7 +74,7 @@ def read(directory: Path) -> dict[str, Any]:
             doc = json.load(f, parse_constant=_refuse_constant)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing: {directory} is not committed") from None
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path} is not valid JSON ({exc}); it is damaged") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{path} is not an unbroken manifest")
