@@ -27,6 +27,7 @@ def record(probe: Probe, model: Any) -> dict[str, Any]:
     """Run the probe and return its value in exact, JSON-safe form."""
     with rng.preserved(), torch.no_grad():
         value = probe(model)
+    _reshard(model)
     if isinstance(value, torch.Tensor):
         t = value.detach().cpu()
         if t.numel() > 65536:
@@ -39,6 +40,19 @@ def record(probe: Probe, model: Any) -> dict[str, Any]:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"probe must return a tensor or a number, got {type(value).__name__}")
     return {"dtype": type(value).__name__, "shape": [], "values": [_plain(value)]}
+
+
+def _reshard(model: Any) -> None:
+    """FSDP2 keeps a root module unsharded after a forward without backward: put every
+    FSDP2 module back into its sharded state, so ``model.parameters()`` are the sharded
+    parameters again (an optimizer built right after restore() must see those)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = model.values() if isinstance(model, dict) else [model]
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
 
 
 def describe(value: dict[str, Any]) -> str:

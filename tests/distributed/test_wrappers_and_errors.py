@@ -90,3 +90,26 @@ def test_corrupt_shard_raises_on_every_rank(tmp_path):
     messages = launcher.run(_save_fsdp_then_corrupt_then_restore, 2, str(tmp_path / "c"))
     for message in messages:
         assert "rank_00001.bin" in message and "checksum" in message, message
+
+
+def _probe_keeps_fsdp_sharded(rank: int, world: int, path: str) -> list[str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import unbroken as ub
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = models.build(fsdp_mesh=mesh)
+    models.train_steps(model, opt, 1, rank=rank)
+    x = torch.ones(2, 13)
+    ckpt = ub.Checkpointer(path, model=model, optimizer=opt, probe=lambda m: m(x).sum())
+    ckpt.save(1)
+    fresh, fresh_opt = models.build(seed=2, fsdp_mesh=mesh)
+    ub.Checkpointer(path, model=fresh, optimizer=fresh_opt, probe=lambda m: m(x).sum()).restore()
+    return [type(p).__name__ for p in [*model.parameters(), *fresh.parameters()]]
+
+
+def test_probe_leaves_fsdp2_parameters_sharded(tmp_path):
+    """A probe is a forward without backward: FSDP2 would leave the root unsharded, and an
+    optimizer built from model.parameters() after restore would hold temporaries."""
+    for kinds in launcher.run(_probe_keeps_fsdp_sharded, 2, str(tmp_path / "ckpt")):
+        assert set(kinds) == {"DTensor"}, kinds

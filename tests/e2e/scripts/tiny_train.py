@@ -5,23 +5,31 @@
 TINY_BUG=reseed     reseeds the RNGs after restore (lost RNG state)
 TINY_BUG=data       rebuilds the dataloader after restore (lost data position)
 TINY_BUG=optimizer  rebuilds the optimizer after restore (lost moments: the F3 bug)
+TINY_SLEEP=S        sleeps S seconds per step (to deliver signals mid-run)
+
+Under torchrun (WORLD_SIZE set) it trains with DDP on gloo, each rank on its own shard of
+the data.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
+import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 import unbroken as ub
 
 
-def build_loader() -> StatefulDataLoader:
+def build_loader(rank: int = 0, world: int = 1) -> StatefulDataLoader:
     # Rows are drawn in random order once; each epoch walks them in that order. (With
     # shuffle=True and a generator, torchdata 0.11 resumes mid-epoch correctly but
     # shuffles the *next* epoch differently: the resume test catches that.) The loader
@@ -31,7 +39,8 @@ def build_loader() -> StatefulDataLoader:
     x = torch.randn(512, 8, generator=g)
     y = torch.sin(x).sum(dim=1, keepdim=True) + 0.5 * x[:, :1] * x[:, 1:2]
     dataset = torch.utils.data.TensorDataset(x, y)
-    return StatefulDataLoader(dataset, batch_size=16, generator=torch.Generator())
+    sampler = StatefulDistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=False)
+    return StatefulDataLoader(dataset, batch_size=16, sampler=sampler, generator=torch.Generator())
 
 
 def main() -> None:
@@ -40,20 +49,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
     bug = os.environ.get("TINY_BUG", "")
+    pause = float(os.environ.get("TINY_SLEEP", "0"))
+    rank, world = 0, 1
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Dropout(0.1), nn.Linear(32, 1))
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
-    loader = build_loader()
+    loader = build_loader(rank, world)
     ckpt = ub.Checkpointer(args.dir, model=model, optimizer=opt, scheduler=sched, dataloader=loader)
     start = ckpt.restore().step
     if start and bug == "reseed":
         torch.manual_seed(0)
     if start and bug == "data":
-        loader = build_loader()
+        loader = build_loader(rank, world)
     if start and bug == "optimizer":
         opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
     batches = iter(loader)
@@ -70,6 +86,7 @@ def main() -> None:
         opt.step()
         sched.step()
         ckpt.track(step + 1, loss=loss, grad_norm=grad_norm)
+        time.sleep(pause)
         if (step + 1) % 10 == 0 or ckpt.should_stop(step + 1):
             ckpt.save(step + 1)
         if ckpt.should_stop(step + 1):
@@ -79,3 +96,8 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    # DDP's reducer must be gone before the process group: destroying it afterwards can
+    # hang in gloo (pytorch/pytorch#56297), so main() has returned and we collect first.
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
