@@ -4,35 +4,33 @@ A correct resume continues the loss curve; a resume that silently lost optimizer
 shows a known signature (DESIGN.md F3): the loss rises right after the resume while the
 gradient norm drops. A resume that lost weights, data position or learning-rate schedule
 usually shows as a loss spike. The check compares the first tracked steps after a resume
-with the window of steps saved before the stop: a line fitted through that window gives
-the level the curve had reached and the noise around it, so ordinary minibatch noise
-and a falling trend do not trigger it.
+with the last steps saved before the stop: their level and their step-to-step noise
+(a steady downward trend is not noise), so ordinary minibatch noise does not trigger
+it while a jump of several noise widths does.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 from collections.abc import Sequence
 
 logger = logging.getLogger(__name__)
 
-BEFORE = 20  # steps of the saved window used as the reference
-AFTER = 8  # steps after the resume that are judged
+BEFORE = 10  # steps of the saved window used as the reference
+AFTER = 5  # steps after the resume that are judged
 
 
-def _level_and_scale(xs: Sequence[float]) -> tuple[float, float]:
-    """Where a curve stands at its end (a least-squares line through it) and how noisy it
-    is around that line (scaled median absolute residual, floored at 2% of the level)."""
-    n = len(xs)
-    mean_x, mean_y = (n - 1) / 2, statistics.fmean(xs)
-    sxx = sum((i - mean_x) ** 2 for i in range(n))
-    slope = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(xs)) / sxx
-    fitted = [mean_y + slope * (i - mean_x) for i in range(n)]
-    residuals = [y - f for y, f in zip(xs, fitted, strict=True)]
-    mad = statistics.median(abs(r) for r in residuals)
-    level = fitted[-1]
-    return level, max(1.4826 * mad, 0.02 * abs(level), 1e-12)
+def _level_and_noise(xs: Sequence[float]) -> tuple[float, float]:
+    """Where a curve stands at its end (median of its last 3 points) and its step-to-step
+    noise (scaled median absolute deviation of its first differences, so a steady trend
+    does not count as noise), floored at 1% of the level."""
+    level = statistics.median(xs[-3:])
+    diffs = [b - a for a, b in itertools.pairwise(xs)]
+    center = statistics.median(diffs)
+    mad = statistics.median(abs(d - center) for d in diffs)
+    return level, max(1.4826 * mad, 0.01 * abs(level), 1e-12)
 
 
 def diagnose(
@@ -44,29 +42,41 @@ def diagnose(
     """Warnings for a resume, from losses (and grad norms) just before and just after it."""
     if len(before_loss) < 5 or len(after_loss) < 3:
         return []
-    warnings = []
-    ref, scale = _level_and_scale(before_loss[-BEFORE:])
-    post = statistics.median(after_loss[:AFTER])
-    rising = post > ref + 3 * scale
-    if before_grad_norm and after_grad_norm and len(before_grad_norm) >= 5:
-        gref, gscale = _level_and_scale(before_grad_norm[-BEFORE:])
-        gpost = statistics.median(after_grad_norm[:AFTER])
-        if rising and gpost < gref - 2 * gscale:
-            warnings.append(
-                f"lost optimizer state suspected: after the resume the loss rose (median "
-                f"{post:.4g} vs {ref:.4g} before) while the gradient norm dropped (median "
-                f"{gpost:.4g} vs {gref:.4g}). This is the signature of optimizer moments "
-                "reset by the resume (DESIGN.md F3)."
-            )
-            return warnings
-    peak = max(after_loss[:AFTER])
-    if rising or peak > ref + 8 * scale:
-        warnings.append(
-            f"loss spike after the resume: median {post:.4g} (peak {peak:.4g}) in the first "
-            f"{min(len(after_loss), AFTER)} steps vs {ref:.4g} before the stop. Check that "
-            "the optimizer, scheduler, data position and weights were really restored."
+    level, noise = _level_and_noise(before_loss[-BEFORE:])
+    post = list(after_loss[:AFTER])
+    peak, typical = max(post), statistics.median(post)
+    jumped = peak > level + 3 * noise
+    rising = typical > level + 2 * noise
+    grad_jumped = grad_dropped = False
+    if len(before_grad_norm) >= 5 and len(after_grad_norm) >= 3:
+        glevel, gnoise = _level_and_noise(before_grad_norm[-BEFORE:])
+        gpost = list(after_grad_norm[:AFTER])
+        grad_jumped = max(gpost) > glevel + 3 * gnoise
+        grad_dropped = statistics.median(gpost) < glevel - 2 * gnoise
+        where = (
+            f"loss median {typical:.4g} (peak {peak:.4g}) vs {level:.4g} before; gradient "
+            f"norm median {statistics.median(gpost):.4g} (peak {max(gpost):.4g}) vs "
+            f"{glevel:.4g} before"
         )
-    return warnings
+    if rising and grad_dropped:
+        return [
+            f"lost optimizer state suspected: after the resume the loss rose while the "
+            f"gradient norm dropped ({where}), the signature of optimizer moments reset by "
+            "the resume (DESIGN.md F3)"
+        ]
+    if jumped and grad_jumped:
+        return [
+            f"lost optimizer state suspected: loss and gradient norm both jumped right after "
+            f"the resume ({where}), as when a fresh optimizer takes full-size first steps "
+            "(DESIGN.md F3)"
+        ]
+    if jumped or rising:
+        return [
+            f"loss spike after the resume: median {typical:.4g}, peak {peak:.4g} in the "
+            f"first {len(post)} steps vs {level:.4g} before the stop. Check that the "
+            "optimizer, scheduler, data position and weights were really restored"
+        ]
+    return []
 
 
 class HealthCheck:

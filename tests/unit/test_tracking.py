@@ -142,3 +142,29 @@ def test_signal_requests_a_stop_and_handlers_are_restored(ckpt_dir, sig):
         assert len(calls) == 1  # restored on close
     finally:
         signal.signal(sig, previous)
+
+
+def _recorded(name):
+    from pathlib import Path
+
+    return json.loads(
+        (Path(__file__).parents[1] / "fixtures" / "health" / f"{name}.json").read_text()
+    )
+
+
+@pytest.mark.parametrize("resume_at", range(8, 36, 3))
+def test_health_check_quiet_on_the_recorded_correct_example(resume_at):
+    """Series recorded from examples/gpt/train.py: no warning wherever the cut falls."""
+    run = _recorded("example_straight")
+    loss, gn = run["loss"], run["grad_norm"]
+    assert (
+        monitor.diagnose(loss[:resume_at], loss[resume_at:], gn[:resume_at], gn[resume_at:]) == []
+    )
+
+
+def test_health_check_flags_the_recorded_reset_optimizer_example():
+    """Series recorded from examples/gpt/train_buggy.py (fresh AdamW after restore)."""
+    run = _recorded("example_reset_optimizer")
+    k, loss, gn = run["resumed_at"], run["loss"], run["grad_norm"]
+    (warning,) = monitor.diagnose(loss[:k], loss[k:], gn[:k], gn[k:])
+    assert warning.startswith("lost optimizer state suspected")
