@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 from .checkpointer import Checkpointer
 from .errors import (
     CheckpointError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     StateMismatchError,
@@ -15,6 +16,7 @@ from .report import RestoreReport
 
 __all__ = [
     "CheckpointError",
+    "CheckpointNotFoundError",
     "Checkpointer",
     "CorruptCheckpointError",
     "IncompleteCheckpointError",

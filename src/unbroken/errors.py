@@ -4,6 +4,7 @@ Every error names what is wrong (component, parameter FQN, file, step, rank) and
 to do about it::
 
     CheckpointError                   root of everything this library raises on purpose
+    ├── CheckpointNotFoundError       no such checkpoint folder, or no such step
     ├── IncompleteCheckpointError     the checkpoint lacks something the caller passed
     ├── CorruptCheckpointError        a file is missing, truncated, altered or unsafe
     └── StateMismatchError            the checkpoint does not fit the live objects, or
@@ -15,6 +16,10 @@ from __future__ import annotations
 
 class CheckpointError(Exception):
     """Root of all errors raised by unbroken."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The path is not a committed checkpoint, or the requested step does not exist."""
 
 
 class IncompleteCheckpointError(CheckpointError, KeyError):

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from . import collective, manifest, probe, tree, verify
 from .errors import (
-    CheckpointError,
+    CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     StateMismatchError,
@@ -39,7 +39,7 @@ def candidate_steps(ckdir: CheckpointDir, step: int | None) -> list[int]:
         if step is None:
             return steps[::-1]
         if step not in steps:
-            raise CheckpointError(
+            raise CheckpointNotFoundError(
                 f"step {step} is not a committed checkpoint in {ckdir.root}; committed steps: "
                 f"{steps or 'none'}"
             )

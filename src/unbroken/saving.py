@@ -24,7 +24,7 @@ from . import __version__, collective, fingerprint, manifest, tree, verify
 from .errors import CheckpointError
 from .shards import ShardWriter, quiet_single_process
 from .staging import StagingBuffers
-from .state import Component, device_kind
+from .state import Component, ModelComponent, device_kind
 from .storage import CheckpointDir
 
 logger = logging.getLogger(__name__)
@@ -180,6 +180,10 @@ def _manifest_body(
     components: dict[str, Any] = {}
     for c in request.components:
         entry: dict[str, Any] = {"kind": c.kind, "per_rank": c.per_rank}
+        if isinstance(c, ModelComponent):  # trainable parameters (not buffers, not frozen)
+            entry["parameters"] = sorted(
+                fqn for p, fqn in c.parameter_fqns().items() if p.requires_grad
+            )
         if c.per_rank:
             entry["ranks"] = {str(r): g["skeletons"][c.name] for r, g in enumerate(gathered)}
         else:

@@ -1,0 +1,43 @@
+"""The ``unbroken`` command line: a thin shell over the library.
+
+Exit codes: 0 ok, 1 a check failed or a difference was found, 2 a usage error (bad
+path, unknown step, not a checkpoint). Read commands (``inspect``, ``verify``, ``diff``)
+never write into a checkpoint; ``--json`` prints machine-readable output on stdout and
+nothing else there; progress bars go to stderr.
+
+Each command lives in its own module with a ``register(app)`` function; adding one is a
+single line in ``COMMAND_MODULES``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+app = typer.Typer(
+    name="unbroken",
+    help="Look inside, verify, compare, export and import unbroken checkpoints.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+COMMAND_MODULES = (
+    "inspect",
+    "verify",
+    "diff",
+    "export",
+    "import_",
+)
+
+for _name in COMMAND_MODULES:
+    importlib.import_module(f"{__name__}.{_name}").register(app)
+
+
+def main() -> None:
+    """Console-script entry point (``unbroken = "unbroken.cli:main"``)."""
+    app(prog_name="unbroken")
+
+
+__all__ = ["app", "main"]

@@ -1,0 +1,137 @@
+"""Shared plumbing of the commands: exit codes, error reporting, JSON, progress, formats."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import math
+import sys
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
+
+from ..errors import CheckpointError, CheckpointNotFoundError
+
+EXIT_OK = 0
+EXIT_FAILED = 1  # a check failed, a difference was found, or the operation failed
+EXIT_USAGE = 2  # bad path, unknown step, not a checkpoint, bad option
+
+JsonOption = Annotated[
+    bool, typer.Option("--json", help="Machine-readable output on stdout (and nothing else).")
+]
+StepOption = Annotated[
+    int | None, typer.Option("--step", min=0, help="A committed step (default: the latest).")
+]
+
+
+def stdout() -> Console:
+    return Console(highlight=False, soft_wrap=True)
+
+
+def stderr() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def report_error(exc: BaseException) -> None:
+    """``TypeName: message`` on stderr (plain text: messages may contain brackets)."""
+    print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def guard() -> Iterator[None]:
+    """Turn the library's errors into exit codes: 2 for no such checkpoint, else 1."""
+    try:
+        yield
+    except CheckpointNotFoundError as exc:
+        report_error(exc)
+        raise typer.Exit(EXIT_USAGE) from None
+    except CheckpointError as exc:
+        report_error(exc)
+        raise typer.Exit(EXIT_FAILED) from None
+
+
+def usage_error(exc: BaseException) -> typer.Exit:
+    report_error(exc)
+    return typer.Exit(EXIT_USAGE)
+
+
+def jsonable(obj: Any) -> Any:
+    """Dataclasses, paths and non-finite floats made JSON-safe (NaN -> "nan")."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [jsonable(v) for v in obj]
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return repr(obj)
+    if obj is None or isinstance(obj, bool | int | float | str):
+        return obj
+    return str(obj)
+
+
+def emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(jsonable(obj), indent=2, allow_nan=False) + "\n")
+    sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def progress(description: str, total: int, *, unit: str = "bytes") -> Iterator[Callable]:
+    """A progress bar on stderr (shown on terminals only); yields ``advance(n)``."""
+    console = stderr()
+    count = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        count,
+        TimeRemainingColumn(),
+        console=console,
+        transient=True,
+        disable=not console.is_terminal,
+    )
+    with bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n=1: bar.advance(task, n)
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def when(unix: float | None) -> str:
+    if unix is None:
+        return "?"
+    return datetime.datetime.fromtimestamp(unix).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def lineage_text(lineage: list[dict[str, Any]]) -> str:
+    """``start (ws 2) -> resume from 200 (ws 1, reset rng)``."""
+    parts = []
+    for event in lineage:
+        kind = event.get("event", "?")
+        ws = event.get("world_size")
+        detail = [f"ws {ws}"] if ws is not None else []
+        if event.get("reset"):
+            detail.append("reset " + ",".join(event["reset"]))
+        label = f"resume from {event.get('from_step')}" if kind == "resume" else str(kind)
+        parts.append(label + (f" ({', '.join(detail)})" if detail else ""))
+    return " -> ".join(parts) or "-"

@@ -1,0 +1,98 @@
+"""``unbroken diff A B [--json]``: do two checkpoints hold the same state?"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from .. import manifest
+from ..comparison import DiffReport, TensorDiff, diff
+from ..inspection import locate
+from ._common import EXIT_FAILED, JsonOption, emit_json, guard, progress, stdout
+
+HELP = """Compare two checkpoints tensor by tensor, across any world sizes.
+
+A and B are step folders, or run folders meaning their latest step. Logical tensors are
+compared (not shards), so a checkpoint saved on 2 ranks equals the same state saved from
+1 process. Per tensor: equal, values differ (count and max absolute difference), dtype
+or shape changed, only in A, only in B; per component: a summary, and differences in
+non-tensor state (hyperparameters, counters). Per-rank state (rng, dataloader) is
+skipped, and listed, when the world sizes differ. Equal fingerprints count as equal
+values unless --full.
+
+Never writes. Exit 0 if identical, 1 if anything differs, 2 if A or B is not a
+checkpoint."""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("diff", help=HELP)(diff_command)
+
+
+def diff_command(
+    a: Annotated[Path, typer.Argument(help="Checkpoint A (step folder or run folder).")],
+    b: Annotated[Path, typer.Argument(help="Checkpoint B (step folder or run folder).")],
+    full: Annotated[
+        bool, typer.Option("--full", help="Compare bytes even where fingerprints agree.")
+    ] = False,
+    ignore: Annotated[
+        list[str] | None,
+        typer.Option("--ignore", help="Leave a component out (repeatable), e.g. rng."),
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    with guard():
+        fa, fb = locate(a), locate(b)
+        total = len(set(manifest.read(fa)["tensors"]) | set(manifest.read(fb)["tensors"]))
+        with progress("comparing", total, unit="tensors") as advance:
+            report = diff(fa, fb, full=full, ignore=frozenset(ignore or ()), on_tensor=advance)
+    if as_json:
+        emit_json({"identical": report.identical, **report.__dict__})
+    else:
+        _print(report)
+    if not report.identical:
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _describe(t: TensorDiff) -> str:
+    if t.status == "values":
+        return f"{t.differing} element(s) differ, max |A-B| = {t.max_abs_diff:.6g}"
+    if t.status == "dtype":
+        return f"dtype {t.dtype_a} -> {t.dtype_b} (max |A-B| = {t.max_abs_diff:.6g})"
+    if t.status == "shape":
+        return f"shape {t.shape_a} -> {t.shape_b}"
+    return {"only_a": "only in A", "only_b": "only in B"}.get(t.status, t.status)
+
+
+def _print(report: DiffReport) -> None:
+    console = stdout()
+    for label, meta in (("A", report.a), ("B", report.b)):
+        console.print(
+            f"{label}: step {meta['step']}, world size {meta['world_size']}  {escape(meta['path'])}"
+        )
+    table = Table(title="components")
+    for col in ("component", "status", "equal", "different", "only A", "only B", "note"):
+        table.add_column(col)
+    colors = {"identical": "green", "skipped": "yellow"}
+    for c in report.components:
+        color = colors.get(c.status, "red")
+        table.add_row(c.name, f"[{color}]{c.status}[/{color}]", str(c.equal),
+                      str(c.different), str(c.only_a), str(c.only_b), escape(c.note))  # fmt: skip
+    console.print(table)
+    changed = [t for t in report.tensors if t.status != "equal"]
+    if changed:
+        table = Table(title="tensors that differ")
+        table.add_column("key", overflow="fold")
+        table.add_column("difference", overflow="fold")
+        for t in changed:
+            table.add_row(escape(t.key), escape(_describe(t)))
+        console.print(table)
+    for c in report.components:
+        for d in c.state_differences:
+            console.print(f"[red]state differs:[/red] {escape(d)}")
+    equal = len(report.tensors) - len(changed)
+    verdict = "[green]identical[/green]" if report.identical else "[red]different[/red]"
+    console.print(f"{verdict}: {equal} tensor(s) equal, {len(changed)} differ")

@@ -1,0 +1,67 @@
+"""``unbroken export DIR --to FILE.safetensors``: ship consolidated model weights."""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from .. import manifest
+from ..exporting import EXPORT_DTYPES, export_safetensors
+from ..inspection import locate, model_fqns
+from ._common import JsonOption, StepOption, emit_json, guard, human_bytes, progress, stdout
+
+HELP = """Write a checkpoint's model weights as one consolidated .safetensors file.
+
+Keys are the model's parameter and buffer FQNs (no `model/` prefix); shards of any world
+size are assembled into whole tensors. --dtype casts floating-point tensors (integer and
+bool buffers keep their dtype). The file's metadata records step, source path and
+unbroken version. Memory stays bounded by the largest tensor: the header is computed
+from the manifest, then tensors are streamed one at a time, each verified (checksums and
+fingerprint) before it is written. The file appears only when complete.
+
+Exit 0 on success, 1 if the checkpoint is damaged, 2 if DIR is not a checkpoint."""
+
+
+class ExportDtype(enum.StrEnum):
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp32 = "fp32"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export", help=HELP)(export_command)
+
+
+def export_command(
+    path: Annotated[Path, typer.Argument(help="A run folder or one step folder.")],
+    to: Annotated[Path, typer.Option("--to", help="The .safetensors file to write.")],
+    dtype: Annotated[
+        ExportDtype | None, typer.Option("--dtype", help="Cast floating-point weights.")
+    ] = None,
+    step: StepOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    with guard():
+        folder = locate(path, step)
+        doc = manifest.read(folder)
+        total = sum(
+            c["length"] for key in model_fqns(doc).values() for c in doc["tensors"][key]["chunks"]
+        )
+        target = EXPORT_DTYPES[dtype.value] if dtype is not None else None
+        with progress("exporting", total) as advance:
+            result = export_safetensors(folder, to, dtype=target, on_bytes=advance)
+    if as_json:
+        emit_json(result)
+        return
+    console = stdout()
+    console.print(
+        f"wrote {escape(result.path)}: {result.tensors} tensor(s), "
+        f"{human_bytes(result.bytes)}, step {result.step}"
+        + (f", {dtype.value}" if dtype is not None else "")
+    )
+    if result.skipped:
+        console.print(f"[yellow]not exported (not tensors):[/yellow] {', '.join(result.skipped)}")

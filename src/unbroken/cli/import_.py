@@ -1,0 +1,86 @@
+"""``unbroken import SRC DIR --model module:factory``: bring in another tool's checkpoint."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.markup import escape
+
+from ..errors import CheckpointError
+from ..importing import build, import_checkpoint, load_factory
+from ._common import JsonOption, emit_json, guard, stdout, usage_error
+
+HELP = """Convert a checkpoint written by other code into an unbroken checkpoint.
+
+SECURITY: this reads foreign files that may be pickles, which can run code when
+loaded. A torch.save file is read with torch.load(weights_only=True); a
+torch.distributed.checkpoint directory's .metadata file is a pickle and is unpickled.
+Import only files you trust. (Our own checkpoints are never unpickled.)
+
+SRC is either a torch.save file holding {"model": state_dict, "optimizer":
+optimizer.state_dict(), "scheduler"?: state_dict, "step"?: int} (a bare model
+state_dict also works), or a DCP directory (torchtitan-style keys `model.<fqn>`,
+`optimizer.state.<fqn>.exp_avg`, `optimizer.param_groups...`, or keys without prefix).
+
+--model names a zero-argument callable, `package.module:function` (importable from the
+current directory), returning the model or a (model, optimizer) tuple built exactly as
+in training. Positional optimizer state is matched to parameters through the returned
+optimizer's param groups, or, with a model alone, through model.parameters() order and
+an AdamW is built from the imported param groups. Every entry must find its place:
+an optimizer entry with no parameter, a count or shape mismatch, or an unknown
+top-level entry is an error naming it (--ignore NAME leaves a top-level entry out on
+purpose). The result is saved with Checkpointer into DIR as step --step (default: the
+step recorded in SRC).
+
+Exit 0 on success, 1 if SRC does not fit the model, 2 for a usage error (missing SRC,
+bad --model, no step, DIR already holds the step)."""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("import", help=HELP)(import_command)
+
+
+def import_command(
+    source: Annotated[Path, typer.Argument(help="A torch.save file or a DCP directory.")],
+    dest: Annotated[Path, typer.Argument(help="The run folder to save the checkpoint in.")],
+    model: Annotated[
+        str, typer.Option("--model", help="package.module:factory building the live objects.")
+    ],
+    step: Annotated[
+        int | None, typer.Option("--step", min=0, help="Step to save as (default: SRC's).")
+    ] = None,
+    ignore: Annotated[
+        list[str] | None,
+        typer.Option("--ignore", help="A top-level SRC entry to leave out (repeatable)."),
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    if os.getcwd() not in sys.path:  # like `python -m`: the factory's module may be local
+        sys.path.insert(0, os.getcwd())
+    try:
+        live_model, live_optimizer = build(load_factory(model))
+    except (ValueError, TypeError) as exc:
+        raise usage_error(exc) from None
+    with guard():
+        try:
+            result = import_checkpoint(
+                source, dest, live_model, live_optimizer, step=step, ignore=ignore or ()
+            )
+        except CheckpointError:
+            raise  # some are also ValueErrors; guard() maps them
+        except ValueError as exc:  # no step known, DIR already holds it
+            raise usage_error(exc) from None
+    if as_json:
+        emit_json(result)
+        return
+    stdout().print(
+        f"imported {escape(str(source))} ({result.source_kind}) as step {result.step}: "
+        f"{result.model_tensors} model tensor(s), optimizer: {result.optimizer} "
+        f"({result.optimizer_params} parameter(s)), scheduler: "
+        f"{'yes' if result.scheduler else 'no'}\n  -> {escape(result.path)}"
+        + (f"\n  left out on request: {', '.join(result.ignored)}" if result.ignored else "")
+    )

@@ -1,0 +1,163 @@
+"""``unbroken inspect DIR [--step N] [--json]``: what a run's checkpoints hold."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from .. import manifest
+from ..coverage import optimizer_coverage
+from ..inspection import (
+    components_of,
+    is_step_folder,
+    locate,
+    step_folders,
+    summarize,
+    tensors_of,
+)
+from ..tensor_reader import TensorReader
+from ._common import (
+    EXIT_FAILED,
+    JsonOption,
+    StepOption,
+    emit_json,
+    guard,
+    human_bytes,
+    lineage_text,
+    stdout,
+    when,
+)
+
+HELP = """Show a run's committed checkpoints, or one checkpoint in detail.
+
+Without --step (and given a run folder): every committed checkpoint with its time, size
+on disk, world size, torch and unbroken versions, and lineage of resumes and resets.
+
+With --step (or given a step folder): components, every tensor (key, shape, dtype,
+bytes) and the optimizer's coverage of the model (state entries and `step` per
+parameter; parameters without state and model tensors in no param group are flagged).
+
+Reads only the JSON manifest (and the optimizer's `step` tensors); never writes.
+Exit 0, or 1 if a manifest is damaged, 2 if DIR is not a checkpoint or the step does
+not exist."""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("inspect", help=HELP)(inspect_command)
+
+
+def inspect_command(
+    path: Annotated[Path, typer.Argument(help="A run folder or one step folder.")],
+    step: StepOption = None,
+    as_json: JsonOption = False,
+) -> None:
+    with guard():
+        if step is None and not is_step_folder(path):
+            _list(path, as_json)
+        else:
+            _detail(locate(path, step), as_json)
+
+
+def _list(path: Path, as_json: bool) -> None:
+    summaries = [summarize(folder) for folder in step_folders(path)]
+    if as_json:
+        emit_json({"path": str(path), "checkpoints": summaries})
+    else:
+        table = Table(title=f"committed checkpoints in {path}")
+        for col in ("step", "created", "size", "world", "torch", "unbroken", "lineage"):
+            table.add_column(col, justify="right" if col in ("step", "size", "world") else "left")
+        for s in summaries:
+            if s.error:
+                table.add_row(str(s.step), "[red]DAMAGED[/red]", human_bytes(s.size_bytes),
+                              "", "", "", escape(s.error))  # fmt: skip
+                continue
+            table.add_row(
+                str(s.step),
+                when(s.created_unix),
+                human_bytes(s.size_bytes),
+                str(s.world_size),
+                s.versions.get("torch", "?"),
+                s.versions.get("unbroken", "?"),
+                lineage_text(s.lineage),
+            )
+        stdout().print(table)
+    if any(s.error for s in summaries):
+        raise typer.Exit(EXIT_FAILED)
+
+
+def _detail(folder: Path, as_json: bool) -> None:
+    doc = manifest.read(folder)
+    tensors = tensors_of(doc)
+    components = components_of(doc, tensors)
+    with TensorReader(folder, doc) as reader:
+        coverage = optimizer_coverage(doc, read=reader.read)
+    info: dict[str, Any] = {
+        "path": str(folder),
+        "step": doc["step"],
+        "created_unix": doc.get("created_unix"),
+        "world_size": doc["world_size"],
+        "versions": doc.get("versions", {}),
+        "lineage": doc["lineage"],
+        "metrics": doc.get("metrics", []),
+        "probe": doc.get("probe") is not None,
+        "components": components,
+        "tensors": tensors,
+        "optimizer": None,
+    }
+    if coverage is not None:
+        info["optimizer"] = {
+            **dataclasses.asdict(coverage),
+            "failures": coverage.failures(),
+            "warnings": coverage.warnings(),
+        }
+    if as_json:
+        emit_json(info)
+        return
+    console = stdout()
+    versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
+    console.print(f"[bold]step {doc['step']}[/bold]  {escape(str(folder))}")
+    console.print(
+        f"  saved {when(info['created_unix'])} by {doc['world_size']} rank(s); {versions}"
+    )
+    console.print(f"  lineage: {lineage_text(doc['lineage'])}")
+    console.print(f"  tracked metrics: {len(info['metrics'])} step(s); probe: {info['probe']}")
+    table = Table(title="components")
+    for col in ("component", "kind", "per rank", "tensors", "bytes"):
+        table.add_column(col)
+    for c in components:
+        table.add_row(c.name, c.kind, "yes" if c.per_rank else "", str(c.tensors),
+                      human_bytes(c.bytes))  # fmt: skip
+    console.print(table)
+    table = Table(title="tensors")
+    for col in ("key", "shape", "dtype", "bytes"):
+        table.add_column(col, overflow="fold")
+    for t in tensors:
+        table.add_row(
+            escape(t.key), "x".join(map(str, t.shape)) or "scalar", t.dtype, human_bytes(t.bytes)
+        )
+    console.print(table)
+    if coverage is not None:
+        _print_coverage(console, coverage)
+
+
+def _print_coverage(console, coverage) -> None:
+    table = Table(title="optimizer coverage")
+    for col in ("parameter", "group", "state entries", "step", "flag"):
+        table.add_column(col, overflow="fold")
+    for p in coverage.params:
+        flag = "" if p.in_model else "[red]not a model tensor[/red]"
+        if not p.entries:
+            flag = (flag + " " if flag else "") + "[yellow]no state[/yellow]"
+        group = str(p.group) if p.optimizer is None else f"{p.optimizer}/{p.group}"
+        step = "" if p.step is None else f"{p.step:g}"
+        table.add_row(escape(p.fqn), group, ", ".join(p.entries) or "-", step, flag)
+    console.print(table)
+    for message in coverage.failures():
+        console.print(f"[red]problem:[/red] {escape(message)}")
+    for message in coverage.warnings():
+        console.print(f"[yellow]note:[/yellow] {escape(message)}")

@@ -1,0 +1,174 @@
+"""Which model parameters the saved optimizer state covers, from the manifest alone.
+
+Silent loss of optimizer state (DESIGN.md F1, F3) shows up on disk as parameters in a
+param group with no state, state keyed by an FQN the model does not have, or model
+parameters that no optimizer group holds. This module finds each of them in a committed
+checkpoint without live objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+from .inspection import model_fqns
+
+_TAG = "__ub__"
+# State entries that always have their parameter's shape (torch's built-in optimizers).
+PARAM_SHAPED = frozenset(
+    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
+     "sum", "ax", "prev", "mu_product_buffer"}
+)  # fmt: skip
+_FLOATING = {"float64", "float32", "float16", "bfloat16", "complex64", "complex128"}
+
+
+@dataclasses.dataclass
+class ParamCoverage:
+    """One parameter of an optimizer param group and the state saved for it."""
+
+    fqn: str
+    optimizer: str | None  # the dict key for a dict of optimizers
+    group: int
+    entries: list[str]  # names of the saved state entries (empty: none saved)
+    step: float | None  # the ``step`` entry's value, if any and readable
+    in_model: bool
+
+
+@dataclasses.dataclass
+class OptimizerCoverage:
+    """Findings; the ``failures()`` make a checkpoint fail ``unbroken verify``."""
+
+    params: list[ParamCoverage] = dataclasses.field(default_factory=list)
+    no_state: list[str] = dataclasses.field(default_factory=list)
+    not_in_model: list[str] = dataclasses.field(default_factory=list)
+    state_without_group: list[str] = dataclasses.field(default_factory=list)
+    unoptimized: list[str] = dataclasses.field(default_factory=list)
+    unoptimized_parameters: list[str] = dataclasses.field(default_factory=list)
+    shape_mismatches: list[str] = dataclasses.field(default_factory=list)
+    missing_tensors: list[str] = dataclasses.field(default_factory=list)
+    unreadable_steps: list[str] = dataclasses.field(default_factory=list)
+
+    def failures(self) -> list[str]:
+        out = [f"optimizer state for {f!r}, which is not a model parameter (FQNs orphaned)"
+               for f in self.not_in_model]  # fmt: skip
+        out += [f"optimizer state for {f!r} belongs to no param group"
+                for f in self.state_without_group]  # fmt: skip
+        out += [f"model parameter {f!r} is in no optimizer param group"
+                for f in self.unoptimized_parameters]  # fmt: skip
+        out += self.shape_mismatches
+        out += [f"optimizer state references tensor {k!r}, which the manifest does not list"
+                for k in self.missing_tensors]  # fmt: skip
+        return out
+
+    def warnings(self) -> list[str]:
+        out = [f"parameter {f!r} is in a param group but has no optimizer state (expected "
+               "only if it never received a gradient)" for f in self.no_state]  # fmt: skip
+        if self.unoptimized:
+            out.append(
+                f"{len(self.unoptimized)} floating-point model tensor(s) are in no optimizer "
+                f"param group (buffers, or frozen parameters): {', '.join(self.unoptimized[:5])}"
+                + (" ..." if len(self.unoptimized) > 5 else "")
+            )
+        return out
+
+
+def optimizer_coverage(
+    doc: dict[str, Any], *, read: Callable[[str], torch.Tensor] | None = None
+) -> OptimizerCoverage | None:
+    """Coverage of the model by the saved optimizer state; None without an optimizer.
+
+    Args:
+        doc: a manifest read with ``unbroken.manifest.read``.
+        read: reads a tensor by key, to report each parameter's ``step`` value.
+    """
+    comp = doc["components"].get("optimizer")
+    if comp is None or comp.get("per_rank"):
+        return None
+    skeleton = comp.get("state")
+    named = {None: skeleton} if _is_single(skeleton) else dict(skeleton or {})
+    model = model_fqns(doc)
+    cov = OptimizerCoverage()
+    grouped: set[str] = set()
+    for name, opt in named.items():
+        if not _is_single(opt):
+            raise CheckpointError(f"optimizer {name!r} has no param_groups in the manifest")
+        state = opt.get("state") or {}
+        if isinstance(state, dict) and state.get(_TAG) == "dict":  # non-string keys
+            state = {str(k): v for k, v in state["items"]}
+        members: set[str] = set()
+        for g, group in enumerate(opt["param_groups"]):
+            for fqn in group.get("params", []):
+                members.add(fqn)
+                cov.params.append(_param(doc, cov, fqn, name, g, state.get(fqn), model, read))
+        grouped |= members
+        cov.state_without_group += sorted(set(state) - members)
+    params = doc["components"].get("model", {}).get("parameters")
+    for fqn, key in sorted(model.items()):
+        if fqn in grouped or doc["tensors"].get(key, {}).get("dtype") not in _FLOATING:
+            continue
+        if params is not None and fqn in params:  # trainable, yet nothing optimizes it
+            cov.unoptimized_parameters.append(fqn)
+        else:  # a buffer or a frozen parameter (or an old manifest that does not say)
+            cov.unoptimized.append(fqn)
+    return cov
+
+
+def _is_single(skeleton: Any) -> bool:
+    return isinstance(skeleton, dict) and "param_groups" in skeleton
+
+
+def _param(
+    doc: dict[str, Any],
+    cov: OptimizerCoverage,
+    fqn: str,
+    optimizer: str | None,
+    group: int,
+    entries: Any,
+    model: dict[str, str],
+    read: Callable[[str], torch.Tensor] | None,
+) -> ParamCoverage:
+    in_model = fqn in model
+    if not in_model:
+        cov.not_in_model.append(fqn)
+    if not isinstance(entries, dict) or not entries:
+        cov.no_state.append(fqn)
+        return ParamCoverage(fqn, optimizer, group, [], None, in_model)
+    step = None
+    for entry, value in entries.items():
+        ref = value.get("key") if isinstance(value, dict) and value.get(_TAG) == "tensor" else None
+        if ref is not None and ref not in doc["tensors"]:
+            cov.missing_tensors.append(ref)
+            continue
+        if entry in PARAM_SHAPED and ref is not None and in_model:
+            saved = doc["tensors"][ref]["shape"]
+            want = doc["tensors"][model[fqn]]["shape"]
+            if saved != want:
+                cov.shape_mismatches.append(
+                    f"optimizer state {entry!r} of {fqn!r} has shape {saved}, the parameter {want}"
+                )
+        if entry == "step":
+            step = _step_value(value, ref, read, cov, fqn)
+    return ParamCoverage(fqn, optimizer, group, sorted(entries), step, in_model)
+
+
+def _step_value(
+    value: Any,
+    ref: str | None,
+    read: Callable[[str], torch.Tensor] | None,
+    cov: OptimizerCoverage,
+    fqn: str,
+) -> float | None:
+    if ref is None:
+        return float(value) if isinstance(value, int | float) else None
+    if read is None:
+        return None
+    try:
+        t = read(ref)
+    except (CheckpointError, KeyError):  # damaged (reported elsewhere) or not read
+        cov.unreadable_steps.append(fqn)
+        return None
+    return float(t.item()) if t.numel() == 1 else None

@@ -1,0 +1,164 @@
+"""Export a checkpoint's model weights as one consolidated ``.safetensors`` file.
+
+``safetensors.torch.save_file`` needs every tensor in memory at once. The format is
+simple (an 8-byte little-endian header length, a JSON header giving each tensor's dtype,
+shape and byte range, then the raw bytes), and every byte range follows from the
+manifest's shapes and dtypes alone, so we write the header first and then stream one
+tensor at a time: peak memory is the largest tensor (plus its cast copy), whatever the
+model size. The file is written beside the target and renamed into place when complete.
+Each tensor's checksums and fingerprint are verified before it is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__, fingerprint, manifest, tree
+from .errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
+from .inspection import model_fqns
+from .manifest import DTYPES
+from .shards import tensor_bytes
+from .tensor_reader import TensorReader
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.complex64: "C64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint64: "U64", torch.uint32: "U32", torch.uint16: "U16", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}  # fmt: skip
+EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclasses.dataclass
+class ExportResult:
+    path: str
+    step: int
+    tensors: int
+    bytes: int
+    metadata: dict[str, str]
+    skipped: list[str]  # model state entries that are not tensors
+
+
+def _target_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
+    """Floating-point weights take ``dtype``; integer and bool buffers keep theirs."""
+    return dtype if dtype is not None and saved in _CASTABLE else saved
+
+
+def plan(doc: dict[str, Any], dtype: torch.dtype | None) -> list[tuple[str, str, torch.dtype]]:
+    """(safetensors name, manifest key, output dtype) for every model tensor."""
+    if "model" not in doc["components"]:
+        raise IncompleteCheckpointError("the checkpoint has no 'model' component to export")
+    out = []
+    for name, key in sorted(model_fqns(doc).items()):
+        target = _target_dtype(DTYPES[doc["tensors"][key]["dtype"]], dtype)
+        if target not in SAFETENSORS_DTYPES:
+            raise StateMismatchError(f"{name}: dtype {target} cannot be stored in safetensors")
+        out.append((name, key, target))
+    return out
+
+
+def header(
+    doc: dict[str, Any], items: list[tuple[str, str, torch.dtype]], metadata: dict[str, str]
+) -> tuple[bytes, int]:
+    """The encoded header (length prefix included) and the size of the data section."""
+    head: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, key, dtype in items:
+        shape = doc["tensors"][key]["shape"]
+        numel = 1
+        for s in shape:
+            numel *= s
+        size = numel * torch.empty(0, dtype=dtype).element_size()
+        head[name] = {
+            "dtype": SAFETENSORS_DTYPES[dtype],
+            "shape": shape,
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    text = json.dumps(head, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text, offset
+
+
+def export_safetensors(
+    folder: str | Path,
+    to: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> ExportResult:
+    """Write the model weights of the checkpoint in ``folder`` to ``to`` (safetensors).
+
+    Keys are the model's FQNs (``<name>.<fqn>`` for a dict of models); floating-point
+    tensors are cast to ``dtype`` if given. Metadata: ``step``, ``source``,
+    ``unbroken_version``, ``world_size``, ``format`` (``pt``).
+
+    Raises:
+        CorruptCheckpointError: a chunk fails its checksum or a tensor its fingerprint.
+        IncompleteCheckpointError: the checkpoint has no model.
+        CheckpointError: ``to`` lies inside the checkpoint folder.
+    """
+    folder, to = Path(folder), Path(to)
+    if to.resolve().is_relative_to(folder.resolve()):
+        raise CheckpointError(f"refusing to write {to} inside the checkpoint folder {folder}")
+    doc = manifest.read(folder)
+    items = plan(doc, dtype)
+    metadata = {
+        "format": "pt",
+        "step": str(doc["step"]),
+        "source": str(folder.resolve()),
+        "unbroken_version": __version__,
+        "world_size": str(doc["world_size"]),
+    }
+    head, data_size = header(doc, items, metadata)
+    partial = to.with_name(f".{to.name}.partial-{uuid.uuid4().hex[:8]}")
+    to.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(partial, "wb") as f, TensorReader(folder, doc, on_bytes=on_bytes) as reader:
+            f.write(head)
+            for _name, key, target in items:
+                t = reader.read(key)
+                if fingerprint.fingerprint(t) != doc["tensors"][key].get("fingerprint"):
+                    raise StateMismatchError(
+                        f"{key}: its stored value does not match the manifest's fingerprint; "
+                        f"run `unbroken verify {folder}`"
+                    )
+                f.write(tensor_bytes(t.to(target)))
+                del t
+            f.flush()
+            os.fsync(f.fileno())
+        if partial.stat().st_size != len(head) + data_size:
+            raise CheckpointError(f"internal error: {to} came out at the wrong size")
+        os.replace(partial, to)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
+    skipped = _non_tensor_model_state(doc)
+    return ExportResult(str(to), doc["step"], len(items), data_size, metadata, skipped)
+
+
+def _non_tensor_model_state(doc: dict[str, Any]) -> list[str]:
+    """Model state entries that are not tensors (safetensors holds only tensors)."""
+    skeleton = doc["components"]["model"].get("state")
+    found: list[str] = []
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, dict) and "__ub__" not in node:
+            for k, v in node.items():
+                walk(v, f"{path}.{k}" if path else k)
+        elif not tree.tensor_keys(node):
+            found.append(path)
+
+    walk(skeleton, "")
+    return found

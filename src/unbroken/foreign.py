@@ -1,0 +1,218 @@
+"""Read checkpoints written by other code: ``torch.save`` files and DCP directories.
+
+Both formats can hold pickles (a ``torch.save`` file is a zip of pickles; DCP's
+``.metadata`` file is one), so only trusted files may be read here. ``torch.save`` files
+are loaded with ``torch.load(weights_only=True)``, which refuses arbitrary objects, and
+non-tensor DCP entries likewise; DCP's own ``.metadata`` can only be read by unpickling.
+Our own checkpoints never come through this module.
+
+The result is a :class:`ForeignState`: the source's model tensors and optimizer state in
+a neutral form, every entry that could not be placed listed in ``unmapped``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
+
+from .errors import CheckpointNotFoundError, CorruptCheckpointError
+
+_KNOWN_TOP = ("model", "optimizer", "scheduler", "step")
+
+
+@dataclasses.dataclass
+class ForeignState:
+    """What a foreign checkpoint holds, before it is mapped onto live objects.
+
+    ``optimizer`` is either torch's positional form (``{"state": {int: ...},
+    "param_groups": [{..., "params": [int]}]}``) when ``optimizer_keyed_by == "position"``,
+    or FQN-keyed (``{"state": {fqn: ...}, "param_groups": [...]}`` with FQN ``params``,
+    or ``"hyperparameters": {fqn: {...}}`` per parameter) when ``"fqn"``.
+    """
+
+    source: str
+    kind: str  # "torch.save" | "dcp"
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None = None
+    optimizer_keyed_by: str = "position"
+    scheduler: dict[str, Any] | None = None
+    step: int | None = None
+    unmapped: list[str] = dataclasses.field(default_factory=list)
+
+
+def is_dcp(path: Path) -> bool:
+    return path.is_dir() and (path / ".metadata").is_file()
+
+
+def read(
+    path: str | Path, *, model_fqns: Iterable[str], ignore: Iterable[str] = ()
+) -> ForeignState:
+    """Read ``path`` (a ``torch.save`` file or a DCP directory).
+
+    ``model_fqns`` are the live model's normalized FQNs (DCP keys are parsed against
+    them, since FQNs contain dots). Top-level entries named in ``ignore`` are skipped.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path} does not exist")
+    if is_dcp(path):
+        return read_dcp(path, set(model_fqns), set(ignore))
+    if path.is_file():
+        return read_torch_save(path, set(ignore))
+    raise CheckpointNotFoundError(
+        f"{path} is neither a torch.save file nor a torch.distributed.checkpoint "
+        "directory (one with a .metadata file)"
+    )
+
+
+def read_torch_save(path: Path, ignore: set[str]) -> ForeignState:
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CorruptCheckpointError(
+            f"{path} cannot be loaded with torch.load(weights_only=True): {first}. Only "
+            "tensors, containers and plain values are accepted"
+        ) from None
+    if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        obj = {"model": obj}  # a bare model state_dict
+    if not isinstance(obj, dict) or not isinstance(obj.get("model"), dict):
+        raise CorruptCheckpointError(
+            f"{path} holds a {type(obj).__name__}, not a dict with a 'model' state_dict "
+            "(expected {'model': ..., 'optimizer': ..., 'scheduler'?: ..., 'step'?: int})"
+        )
+    bad = [k for k, v in obj["model"].items() if not isinstance(v, torch.Tensor)]
+    if bad:
+        raise CorruptCheckpointError(f"{path}: model entries that are not tensors: {bad[:5]}")
+    step = obj.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise CorruptCheckpointError(f"{path}: 'step' is {step!r}, not an int >= 0")
+    optimizer = obj.get("optimizer")
+    if optimizer is not None and not (
+        isinstance(optimizer, dict) and "state" in optimizer and "param_groups" in optimizer
+    ):
+        raise CorruptCheckpointError(
+            f"{path}: 'optimizer' is not an optimizer.state_dict() (no state/param_groups)"
+        )
+    return ForeignState(
+        source=str(path),
+        kind="torch.save",
+        model=dict(obj["model"]),
+        optimizer=optimizer,
+        scheduler=obj.get("scheduler"),
+        step=step,
+        unmapped=sorted(str(k) for k in obj if k not in _KNOWN_TOP and str(k) not in ignore),
+    )
+
+
+def read_dcp(path: Path, model_fqns: set[str], ignore: set[str]) -> ForeignState:
+    reader = dcp.FileSystemReader(str(path))
+    try:
+        md = reader.read_metadata()  # unpickles .metadata: the source must be trusted
+    except Exception as exc:
+        raise CorruptCheckpointError(f"{path}/.metadata cannot be read: {exc}") from None
+    paths = md.planner_data or {}
+    state = ForeignState(source=str(path), kind="dcp", model={}, optimizer_keyed_by="fqn")
+    targets: dict[str, Any] = {}
+    where: dict[str, tuple[str, ...]] = {}
+    for key, meta in md.state_dict_metadata.items():
+        obj_path = tuple(paths.get(key, (key,)))
+        if str(obj_path[0]).split(".")[0] in ignore:
+            continue
+        place = _classify(key, obj_path, model_fqns)
+        if place is None:
+            state.unmapped.append(key)
+            continue
+        where[key] = place
+        if isinstance(meta, BytesStorageMetadata):
+            targets[key] = None
+        else:
+            targets[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(targets, storage_reader=reader, planner=_SafeBytesPlanner(), no_dist=True)
+    _assemble(state, targets, where)
+    return state
+
+
+def _classify(key: str, obj_path: tuple, model_fqns: set[str]) -> tuple[str, ...] | None:
+    """Where a DCP entry goes: ("model", fqn), ("state", fqn, name), ("hyper", fqn, name),
+    ("group", index, name), ("step",); None if it fits nowhere."""
+    if key in model_fqns:  # no prefix (checked first: HF models have a ``model.`` child)
+        return ("model", key)
+    if key.startswith("model.") and key[6:] in model_fqns:
+        return ("model", key[6:])
+    if key in ("step", "train_state.step"):
+        return ("step",)
+    rest = key.removeprefix("optimizer.")
+    if rest.startswith("state."):
+        fqn, _, name = rest[6:].rpartition(".")
+        return ("state", fqn, name) if fqn in model_fqns else None
+    if rest.startswith("param_groups."):
+        if len(obj_path) >= 2 and isinstance(obj_path[-2], int):  # nested: groups by index
+            return ("group", str(obj_path[-2]), str(obj_path[-1]))
+        fqn, _, name = rest[13:].rpartition(".")
+        if fqn in model_fqns:
+            return ("hyper", fqn, name)
+        index, _, name = rest[13:].partition(".")
+        if index.isdigit() and name and "." not in name:
+            return ("group", index, name)
+    return None
+
+
+def _assemble(state: ForeignState, values: dict[str, Any], where: dict[str, tuple]) -> None:
+    opt_state: dict[str, dict[str, Any]] = {}
+    hyper: dict[str, dict[str, Any]] = {}
+    groups: dict[int, dict[str, Any]] = {}
+    for key, place in where.items():
+        value = values[key]
+        if place[0] == "model":
+            state.model[place[1]] = value
+        elif place[0] == "state":
+            opt_state.setdefault(place[1], {})[place[2]] = value
+        elif place[0] == "hyper":
+            hyper.setdefault(place[1], {})[place[2]] = value
+        elif place[0] == "group":
+            groups.setdefault(int(place[1]), {})[place[2]] = value
+        elif isinstance(value, int) and not isinstance(value, bool):
+            state.step = value
+        elif (
+            isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point()
+        ):
+            state.step = int(value)
+        else:
+            state.unmapped.append(key)
+    if opt_state or hyper or groups:
+        state.optimizer = {"state": opt_state}
+        if groups:
+            state.optimizer["param_groups"] = [groups[i] for i in sorted(groups)]
+        if hyper:
+            state.optimizer["hyperparameters"] = hyper
+
+
+class _SafeBytesPlanner(DefaultLoadPlanner):
+    """Non-tensor entries are loaded with ``weights_only=True``: no arbitrary objects."""
+
+    def __init__(self) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            raise CorruptCheckpointError(
+                f"DCP entry {read_item.dest_index.fqn!r} holds an object that "
+                f"torch.load(weights_only=True) refuses: {str(exc).splitlines()[0]}"
+            ) from None
+        self.state_dict[read_item.dest_index.fqn] = loaded

@@ -1,0 +1,216 @@
+"""Bring a checkpoint written by other code into an ordinary unbroken checkpoint.
+
+The foreign state (a ``torch.save`` file or a DCP directory, see :mod:`unbroken.foreign`)
+is loaded into live objects built by a factory, then saved with :class:`Checkpointer`,
+so the result is exactly what a training run would have saved. Nothing is dropped:
+every model tensor, optimizer entry and top-level entry lands somewhere or is named in
+an error (or left out on purpose with ``ignore``).
+
+The factory is a zero-argument callable returning a module, or a ``(module, optimizer)``
+tuple. With a module alone, an AdamW is built from the imported param groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+from . import foreign, optimizer_mapping
+from .checkpointer import Checkpointer
+from .errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
+from .state import ModelComponent, OptimizerComponent
+from .storage import CheckpointDir
+
+Factory = Callable[[], "nn.Module | tuple[nn.Module, torch.optim.Optimizer]"]
+
+
+@dataclasses.dataclass
+class ImportResult:
+    path: str  # the committed step folder
+    step: int
+    source_kind: str  # "torch.save" | "dcp"
+    model_tensors: int
+    optimizer: str  # "factory", "AdamW from the imported param groups", or "none"
+    optimizer_params: int
+    scheduler: bool
+    ignored: list[str]
+
+
+def load_factory(spec: str) -> Factory:
+    """The callable named by ``"package.module:function"``.
+
+    Raises:
+        ValueError: malformed spec, module not importable, or no such callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"--model must look like 'package.module:factory', got {spec!r}")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import {module_name!r} for --model: {exc}") from None
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    if not callable(obj):
+        raise ValueError(f"{spec!r} does not name a callable in {module_name!r}")
+    return obj
+
+
+def build(factory: Factory) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    result = factory()
+    if isinstance(result, nn.Module):
+        return result, None
+    if (
+        isinstance(result, tuple)
+        and len(result) == 2
+        and isinstance(result[0], nn.Module)
+        and isinstance(result[1], torch.optim.Optimizer)
+    ):
+        return result
+    raise TypeError(
+        f"the --model factory returned {type(result).__name__}; it must return an "
+        "nn.Module or a (module, optimizer) tuple"
+    )
+
+
+class _SavedState:
+    """A ``Stateful`` holding an imported state_dict (e.g. an LR scheduler's)."""
+
+    def __init__(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._state = state
+
+
+def import_checkpoint(
+    source: str | Path,
+    dest: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int | None = None,
+    ignore: Iterable[str] = (),
+) -> ImportResult:
+    """Convert ``source`` into a committed unbroken checkpoint in run folder ``dest``.
+
+    Args:
+        source: a ``torch.save`` file ``{"model", "optimizer"?, "scheduler"?, "step"?}``
+            or a ``torch.distributed.checkpoint`` directory. It may contain pickles:
+            only import files you trust.
+        dest: the run folder to save into (it must not hold this step already).
+        model: the live model to load into (from the factory, see :func:`build`).
+        optimizer: the live optimizer, or None to build an AdamW from the imported
+            param groups.
+        step: the step to save as (default: the step recorded in the source).
+        ignore: top-level source entries to leave out on purpose.
+    Raises:
+        StateMismatchError: an entry fits no parameter, or shapes/dtypes/counts differ.
+        IncompleteCheckpointError: the source lacks a tensor the model has.
+        ValueError: no step known, or ``dest`` already holds it.
+
+    Example::
+
+        model, opt = importing.build(importing.load_factory("train:build"))
+        importing.import_checkpoint("ckpt.pt", "ckpts/run1", model, opt)
+    """
+    source, ignored = Path(source), sorted(set(ignore))
+    model_c = ModelComponent(model)
+    fqn_of = model_c.parameter_fqns()
+    params = {fqn: p for p, fqn in fqn_of.items()}
+    live = get_model_state_dict(model)
+    state = foreign.read(source, model_fqns=live.keys(), ignore=ignored)
+    if state.unmapped:
+        raise StateMismatchError(
+            f"{source}: entries that fit no model tensor, optimizer state or step: "
+            f"{optimizer_mapping.listing(state.unmapped)}; pass --ignore NAME for each "
+            "top-level name to leave out on purpose"
+        )
+    step = step if step is not None else state.step
+    if step is None:
+        raise ValueError(f"{source} records no step; pass --step N")
+    ckdir = CheckpointDir(dest)
+    if step in ckdir.steps():
+        raise ValueError(f"{dest} already holds a checkpoint of step {step}; choose another")
+    ckdir.check_not_foreign()
+    _install_model(model, live, state.model, source)
+    opt_label, count = "none", 0
+    if state.optimizer is not None:
+        groups = optimizer_mapping.live_groups(optimizer, fqn_of) if optimizer else None
+        convert = (
+            optimizer_mapping.from_positions
+            if state.optimizer_keyed_by == "position"
+            else optimizer_mapping.from_fqns
+        )
+        mapped = convert(state.optimizer, list(params), groups)
+        optimizer_mapping.check(mapped, params)
+        opt_label = "factory"
+        if optimizer is None:
+            optimizer = optimizer_mapping.build_adamw(mapped, params)
+            opt_label = "AdamW from the imported param groups"
+        OptimizerComponent(optimizer, model_c).install(mapped)
+        count = sum(len(g["params"]) for g in mapped["param_groups"])
+    scheduler = _SavedState(state.scheduler) if state.scheduler is not None else None
+    ckpt = Checkpointer(
+        dest,
+        model=model,
+        optimizer=optimizer if state.optimizer is not None else None,
+        scheduler=scheduler,
+        keep_last=None,
+    )
+    try:
+        final = ckpt.save(step)
+    except TypeError as exc:  # e.g. scheduler state that JSON cannot hold
+        raise CheckpointError(f"{source}: cannot save the imported state: {exc}") from None
+    finally:
+        ckpt.close()
+    return ImportResult(
+        final, step, state.kind, len(state.model), opt_label, count, scheduler is not None, ignored
+    )
+
+
+def _install_model(
+    model: nn.Module, live: dict[str, Any], saved: dict[str, torch.Tensor], source: Path
+) -> None:
+    saved = dict(saved)
+    for prefix in ("module.", "_orig_mod."):  # DDP / torch.compile wrappers of the source
+        if saved and not set(saved) & set(live):
+            consume_prefix_in_state_dict_if_present(saved, prefix)
+    missing = sorted(set(live) - set(saved))
+    if missing:
+        raise IncompleteCheckpointError(
+            f"{source} has no value for model tensor(s) {optimizer_mapping.listing(missing)}"
+        )
+    unexpected = sorted(set(saved) - set(live))
+    if unexpected:
+        raise StateMismatchError(
+            f"{source} has model tensor(s) the factory's model lacks: "
+            f"{optimizer_mapping.listing(unexpected)}"
+        )
+    wrong = [
+        f"{k}: {tuple(v.shape)} {v.dtype} in the source, {tuple(live[k].shape)} "
+        f"{live[k].dtype} in the model"
+        for k, v in saved.items()
+        if v.shape != live[k].shape or v.dtype != live[k].dtype
+    ]
+    if wrong:
+        raise StateMismatchError(
+            "the source does not fit the factory's model (build it in the source's shapes "
+            f"and dtypes): {'; '.join(wrong[:5])}"
+        )
+    set_model_state_dict(model, saved, options=StateDictOptions(strict=True))

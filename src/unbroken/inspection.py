@@ -1,0 +1,203 @@
+"""Look inside committed checkpoints without live training objects.
+
+Finds checkpoints on disk (a run folder or one step folder), summarizes them, and maps
+every saved tensor to its component and parameter FQN, from the JSON manifest alone.
+Nothing here writes to a checkpoint folder or unpickles anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+from . import manifest, tree
+from .errors import CheckpointError, CheckpointNotFoundError
+from .storage import MANIFEST, CheckpointDir
+from .tensor_reader import tensor_nbytes
+
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+def is_step_folder(path: Path) -> bool:
+    return path.is_dir() and (path / MANIFEST).is_file()
+
+
+def locate(path: str | Path, step: int | None = None) -> Path:
+    """The step folder meant by ``path`` (a run folder or a step folder) and ``step``.
+
+    A run folder means its latest committed step unless ``step`` is given.
+
+    Raises:
+        CheckpointNotFoundError: no such path, not a checkpoint, or no such step.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path} does not exist")
+    if not path.is_dir():
+        raise CheckpointNotFoundError(
+            f"{path} is a file, not a checkpoint folder; pass a run folder (holding step_* "
+            "folders) or one step folder"
+        )
+    if path.name.startswith((".partial-", ".trash-")):
+        raise CheckpointNotFoundError(
+            f"{path} is a save in progress or a checkpoint being deleted, not a committed one"
+        )
+    if is_step_folder(path):
+        if step is not None:
+            saved = _step_of(path)
+            if saved is not None and saved != step:
+                raise CheckpointNotFoundError(
+                    f"{path} is the checkpoint of step {saved}, not step {step}; pass the "
+                    "run folder to choose among steps"
+                )
+        return path
+    if _STEP_DIR.match(path.name):
+        raise CheckpointNotFoundError(
+            f"{path} has no {MANIFEST}: it is not a committed checkpoint (a save that "
+            "did not finish)"
+        )
+    steps = CheckpointDir(path).steps()
+    if not steps:
+        raise CheckpointNotFoundError(
+            f"{path} holds no committed unbroken checkpoint (no step_*/{MANIFEST}); "
+            "checkpoints of other tools can be brought in with `unbroken import`"
+        )
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise CheckpointNotFoundError(
+            f"step {step} is not a committed checkpoint in {path}; committed steps: {steps}"
+        )
+    return CheckpointDir(path).step_path(step)
+
+
+def _step_of(folder: Path) -> int | None:
+    m = _STEP_DIR.match(folder.name)
+    return int(m.group(1)) if m else None
+
+
+def step_folders(path: str | Path) -> list[Path]:
+    """Every committed step folder under ``path`` (itself, if it is a step folder)."""
+    path = Path(path)
+    locate(path)  # raises a clear error for anything that is not a checkpoint
+    if is_step_folder(path):
+        return [path]
+    ckdir = CheckpointDir(path)
+    return [ckdir.step_path(s) for s in ckdir.steps()]
+
+
+@dataclasses.dataclass
+class CheckpointSummary:
+    """One committed checkpoint, as listed by ``unbroken inspect DIR``."""
+
+    step: int | None
+    path: str
+    size_bytes: int
+    created_unix: float | None = None
+    world_size: int | None = None
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    lineage: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    error: str | None = None  # the manifest could not be read
+
+
+def summarize(folder: Path) -> CheckpointSummary:
+    """Summary of one step folder; an unreadable manifest is reported, not raised."""
+    size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    try:
+        doc = manifest.read(folder)
+    except CheckpointError as exc:
+        return CheckpointSummary(_step_of(folder), str(folder), size, error=str(exc))
+    return CheckpointSummary(
+        step=doc["step"],
+        path=str(folder),
+        size_bytes=size,
+        created_unix=doc.get("created_unix"),
+        world_size=doc["world_size"],
+        versions=dict(doc.get("versions", {})),
+        lineage=list(doc["lineage"]),
+    )
+
+
+def component_skeletons(doc: dict[str, Any], name: str) -> list[Any]:
+    """The JSON skeleton(s) of a component: one, or one per rank for per-rank state."""
+    entry = doc["components"][name]
+    if entry.get("per_rank"):
+        return [entry["ranks"][r] for r in sorted(entry.get("ranks", {}), key=int)]
+    return [entry.get("state")]
+
+
+def tensor_components(doc: dict[str, Any]) -> dict[str, str]:
+    """Tensor key -> name of the component whose state references it."""
+    owner: dict[str, str] = {}
+    for name in doc["components"]:
+        for skeleton in component_skeletons(doc, name):
+            for key in tree.tensor_keys(skeleton):
+                owner.setdefault(key, name)
+    return owner
+
+
+def unescape(segment: str) -> str:
+    return segment.replace("%2F", "/").replace("%25", "%")
+
+
+def model_fqns(doc: dict[str, Any]) -> dict[str, str]:
+    """Normalized model FQN -> tensor key (``<name>.<fqn>`` for a dict of models)."""
+    if "model" not in doc["components"]:
+        return {}
+    keys = tree.tensor_keys(doc["components"]["model"].get("state"))
+    return {".".join(unescape(s) for s in key.split("/")[1:]): key for key in keys}
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    key: str
+    component: str | None
+    shape: list[int]
+    dtype: str
+    bytes: int
+    fingerprint: str
+    chunks: int
+
+
+@dataclasses.dataclass
+class ComponentInfo:
+    name: str
+    kind: str
+    per_rank: bool
+    tensors: int
+    bytes: int
+
+
+def tensors_of(doc: dict[str, Any]) -> list[TensorInfo]:
+    """Every saved tensor, sorted by key, with its owning component."""
+    owner = tensor_components(doc)
+    return [
+        TensorInfo(
+            key=key,
+            component=owner.get(key),
+            shape=list(entry["shape"]),
+            dtype=entry["dtype"],
+            bytes=tensor_nbytes(entry),
+            fingerprint=entry.get("fingerprint", ""),
+            chunks=len(entry["chunks"]),
+        )
+        for key, entry in sorted(doc["tensors"].items())
+    ]
+
+
+def components_of(doc: dict[str, Any], tensors: list[TensorInfo]) -> list[ComponentInfo]:
+    out = []
+    for name, entry in doc["components"].items():
+        mine = [t for t in tensors if t.component == name]
+        out.append(
+            ComponentInfo(
+                name=name,
+                kind=str(entry.get("kind", "")),
+                per_rank=bool(entry.get("per_rank")),
+                tensors=len(mine),
+                bytes=sum(t.bytes for t in mine),
+            )
+        )
+    return out

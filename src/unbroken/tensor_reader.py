@@ -1,0 +1,145 @@
+"""Whole logical tensors of a committed checkpoint, read from its chunk list alone.
+
+Restores go through DCP and need live objects; the command-line tools do not have any.
+:class:`TensorReader` reads one tensor at a time straight from the manifest's chunk list
+(file, byte offset, length, xxh3-128 checksum, offsets within the global shape), so
+memory stays bounded by the largest tensor, and nothing is ever unpickled. Every chunk's
+checksum is checked before its bytes are used.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+import xxhash
+
+from .errors import CheckpointError, CorruptCheckpointError
+from .manifest import DTYPES
+
+
+class TensorReader:
+    """Reads whole tensors of one committed checkpoint, verifying every chunk.
+
+    Keeps the shard files open until :meth:`close` (or the end of a ``with`` block).
+    Not thread-safe: one reader per thread.
+
+    Args:
+        folder: the checkpoint's step folder.
+        doc: its manifest, as returned by ``unbroken.manifest.read(folder)``.
+        on_bytes: called with the byte count of each chunk read (for progress bars).
+
+    Example::
+
+        doc = manifest.read(folder)
+        with TensorReader(folder, doc) as reader:
+            weight = reader.read("model/fc.weight")
+    """
+
+    def __init__(
+        self,
+        folder: str | Path,
+        doc: dict[str, Any],
+        *,
+        on_bytes: Callable[[int], None] | None = None,
+    ) -> None:
+        self.folder = Path(folder)
+        self.doc = doc
+        self.on_bytes = on_bytes
+        self._files: dict[str, IO[bytes]] = {}
+        order = doc.get("byteorder", "little")
+        if order != sys.byteorder:
+            raise CheckpointError(
+                f"{self.folder} holds {order}-endian tensors; this machine is "
+                f"{sys.byteorder}-endian and cannot read them without conversion"
+            )
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+    def read(self, key: str) -> torch.Tensor:
+        """The whole logical tensor ``key`` (CPU, saved dtype and shape).
+
+        Raises:
+            CorruptCheckpointError: a file is missing or truncated, or a chunk fails its
+                checksum; the message names the file.
+            CheckpointError: the manifest lists no tensor ``key``.
+        """
+        entry = self.doc["tensors"].get(key)
+        if entry is None:
+            raise CheckpointError(f"{self.folder}: the manifest lists no tensor {key!r}")
+        dtype = DTYPES[entry["dtype"]]
+        out = torch.empty(entry["shape"], dtype=dtype)
+        for chunk in entry["chunks"]:
+            region = out
+            for dim, (start, size) in enumerate(zip(chunk["offsets"], chunk["sizes"], strict=True)):
+                region = region.narrow(dim, start, size)
+            if region.is_contiguous():  # e.g. a dim-0 shard: read straight into place
+                self._fill(region, chunk, key)
+            else:
+                staging = torch.empty(chunk["sizes"], dtype=dtype)
+                self._fill(staging, chunk, key)
+                region.copy_(staging)
+        return out
+
+    def _fill(self, target: torch.Tensor, chunk: dict[str, Any], key: str) -> None:
+        path = self.folder / chunk["file"]
+        length = chunk["length"]
+        if target.numel() * target.element_size() != length:
+            raise CorruptCheckpointError(
+                f"{path}: chunk of {key!r} is recorded as {length} bytes, which does not "
+                f"fit its shape {chunk['sizes']} and dtype; the manifest is damaged"
+            )
+        if length:
+            buf = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+            f = self._open(path, chunk["file"])
+            f.seek(chunk["offset"])
+            got = 0
+            while got < length:
+                n = f.readinto(buf[got:])
+                if not n:
+                    raise CorruptCheckpointError(
+                        f"{path} is truncated: {key!r} needs bytes {chunk['offset']}.."
+                        f"{chunk['offset'] + length}, the file ends at "
+                        f"{chunk['offset'] + got}"
+                    )
+                got += n
+            data: memoryview | bytes = buf
+        else:
+            data = b""
+        if xxhash.xxh3_128_hexdigest(data) != chunk["checksum"]:
+            raise CorruptCheckpointError(
+                f"{path}: bytes of {key!r} at offset {chunk['offset']} fail their checksum "
+                "(the file was altered or damaged)"
+            )
+        if self.on_bytes is not None:
+            self.on_bytes(length)
+
+    def _open(self, path: Path, name: str) -> IO[bytes]:
+        f = self._files.get(name)
+        if f is None:
+            try:
+                f = open(path, "rb")  # noqa: SIM115 - kept open across reads, closed in close()
+            except FileNotFoundError:
+                raise CorruptCheckpointError(f"{path} is missing") from None
+            self._files[name] = f
+        return f
+
+
+def tensor_nbytes(entry: dict[str, Any]) -> int:
+    """Bytes of a manifest tensor entry's logical tensor."""
+    numel = 1
+    for s in entry["shape"]:
+        numel *= s
+    return numel * torch.empty(0, dtype=DTYPES[entry["dtype"]]).element_size()

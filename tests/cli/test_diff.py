@@ -1,0 +1,94 @@
+"""`unbroken diff`: logical tensors compared across steps, dtypes and world sizes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import unbroken as ub
+from conftest import Problem
+
+from .conftest import run_cli, run_json
+
+
+def test_a_checkpoint_equals_itself(single_run):
+    info = run_json("diff", single_run, single_run / "step_00000004")
+    assert info["identical"] is True
+    assert {t["status"] for t in info["tensors"]} == {"equal"}
+    human = run_cli("diff", single_run, single_run)
+    assert human.exit_code == 0 and "identical" in human.stdout
+
+
+def test_two_steps_differ(single_run):
+    result = run_cli("diff", single_run / "step_00000002", single_run, "--json")
+    assert result.exit_code == 1
+    import json
+
+    info = json.loads(result.stdout)
+    assert info["identical"] is False
+    rows = {t["key"]: t for t in info["tensors"]}
+    w = rows["model/inp.weight"]
+    assert w["status"] == "values" and 0 < w["differing"] <= 32 and w["max_abs_diff"] > 0
+    assert rows["model/seen"]["max_abs_diff"] == 16.0 * 2  # 16 samples a step, 2 more steps
+    comps = {c["name"]: c for c in info["components"]}
+    assert comps["model"]["status"] == "different" and comps["model"]["different"] >= 4
+    assert any("last_epoch" in d for d in comps["scheduler"]["state_differences"])
+    human = run_cli("diff", single_run / "step_00000002", single_run)
+    assert human.exit_code == 1 and "model/inp.weight" in human.stdout
+
+
+def test_max_abs_diff_is_exact(tmp_path):
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        b.weight[1, 0] += 0.25
+        b.bias[0] = float("nan")
+    ub.Checkpointer(tmp_path / "a", model=a).save(1)
+    ub.Checkpointer(tmp_path / "b", model=b).save(1)
+    info = run_json("diff", tmp_path / "a", tmp_path / "b", "--full", "--ignore", "rng", code=1)
+    rows = {t["key"]: t for t in info["tensors"]}
+    assert rows["model/weight"]["differing"] == 1
+    assert math.isclose(rows["model/weight"]["max_abs_diff"], 0.25, rel_tol=1e-6)
+    assert rows["model/bias"]["max_abs_diff"] == "nan" and rows["model/bias"]["differing"] == 1
+    assert {c["name"]: c["status"] for c in info["components"]}["rng"] == "skipped"
+
+
+def test_dtype_shape_and_missing_tensors(tmp_path):
+    fp32 = Problem()
+    bf16 = Problem(dtype=torch.bfloat16)
+    ub.Checkpointer(tmp_path / "a", model=fp32.model).save(1)
+    ub.Checkpointer(tmp_path / "b", model=bf16.model).save(1)
+    info = run_json("diff", tmp_path / "a", tmp_path / "b", "--ignore", "rng", code=1)
+    rows = {t["key"]: t for t in info["tensors"]}
+    w = rows["model/inp.weight"]
+    assert (w["status"], w["dtype_a"], w["dtype_b"]) == ("dtype", "float32", "bfloat16")
+    assert 0 < w["max_abs_diff"] < 0.01  # the same init, rounded to bf16
+    assert rows["model/seen"]["status"] == "equal"
+
+    other = nn.Module()
+    other.inp, other.out = nn.Linear(4, 9), nn.Linear(9, 1)
+    other.extra = nn.Linear(1, 1)
+    ub.Checkpointer(tmp_path / "c", model=other).save(1)
+    info = run_json("diff", tmp_path / "a", tmp_path / "c", "--ignore", "rng", code=1)
+    status = {t["key"]: t["status"] for t in info["tensors"]}
+    assert status["model/inp.weight"] == "shape" and status["model/seen"] == "only_a"
+    assert status["model/extra.weight"] == "only_b"
+
+
+def test_fsdp_two_ranks_equals_one_process_resave(fsdp_run, fsdp_resaved):
+    info = run_json("diff", fsdp_run[0], fsdp_resaved)
+    assert info["a"]["world_size"] == 2 and info["b"]["world_size"] == 1
+    assert info["identical"] is True
+    comps = {c["name"]: c for c in info["components"]}
+    assert comps["rng"]["status"] == "skipped" and "not comparable" in comps["rng"]["note"]
+    assert comps["model"]["equal"] == 14 and comps["optimizer"]["status"] == "identical"
+    # Bytes too, not only fingerprints.
+    assert run_cli("diff", fsdp_run[0], fsdp_resaved, "--full").exit_code == 0
+
+
+def test_usage_errors(single_run, tmp_path):
+    result = run_cli("diff", single_run, tmp_path)
+    assert result.exit_code == 2 and "CheckpointNotFoundError" in result.stderr
+    assert run_cli("diff", single_run).exit_code == 2  # B missing: click usage error
