@@ -17,7 +17,7 @@ import typer
 
 app = typer.Typer(
     name="unbroken",
-    help="Look inside, verify, compare, export and import unbroken checkpoints.",
+    help="Look inside, verify, compare, export and import unbroken checkpoints; prove resumes.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -29,6 +29,8 @@ COMMAND_MODULES = (
     "diff",
     "export",
     "import_",
+    "resume_test",
+    "plot",
 )
 
 for _name in COMMAND_MODULES:

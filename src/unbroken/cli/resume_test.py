@@ -1,0 +1,79 @@
+"""``unbroken resume-test --stop-at K [--resume-cmd "..."] -- CMD ...``: prove a resume."""
+
+from __future__ import annotations
+
+import shlex
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ..testing import RunFailed, resume_test
+from ._common import EXIT_FAILED, JsonOption, emit_json, guard, stderr, stdout
+
+HELP = """Run CMD straight, then stopped at step K and resumed, and compare.
+
+CMD must contain {dir}, replaced by a fresh checkpoint folder for each run, and must use
+ub.Checkpointer with should_stop() (UNBROKEN_STOP_AT=K stops the second run at K).
+Every tracked metric after K and the final state's fingerprints must be bit-identical.
+With --resume-cmd (e.g. another world size) the resumed run may deviate by up to
+--tolerance (relative); the restore itself is still verified exactly.
+
+Writes a text report, a JSON result and a PNG plot into --workdir (default: a new
+temporary folder, printed). Exit 0 when identical (or within tolerance), 1 otherwise
+(the first differing step and metric named), 2 on bad usage."""
+
+
+def register(app: typer.Typer) -> None:
+    app.command(
+        "resume-test",
+        help=HELP,
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    )(resume_test_command)
+
+
+def resume_test_command(
+    ctx: typer.Context,
+    stop_at: Annotated[int, typer.Option("--stop-at", min=1, help="Step K to stop at.")],
+    resume_cmd: Annotated[
+        str | None, typer.Option("--resume-cmd", help="Command for the resumed run.")
+    ] = None,
+    workdir: Annotated[
+        Path | None, typer.Option("--workdir", help="Where runs, report and plot go.")
+    ] = None,
+    tolerance: Annotated[
+        float, typer.Option("--tolerance", help="Relative deviation allowed with --resume-cmd.")
+    ] = 0.05,
+    timeout: Annotated[
+        float | None, typer.Option("--timeout", help="Seconds allowed per run.")
+    ] = None,
+    as_json: JsonOption = False,
+) -> None:
+    command = list(ctx.args)
+    if not command:
+        raise typer.BadParameter("give the training command after --, containing {dir}")
+    if not any("{dir}" in arg for arg in command):
+        raise typer.BadParameter("the command must contain {dir} (its checkpoint folder)")
+    work = workdir or Path(tempfile.mkdtemp(prefix="unbroken-resume-test-"))
+    if not as_json:
+        stderr().print(f"resume test in {work}: running {shlex.join(command)}")
+    with guard():
+        try:
+            result = resume_test(
+                command,
+                stop_at=stop_at,
+                workdir=work,
+                resume_command=shlex.split(resume_cmd) if resume_cmd else None,
+                tolerance=tolerance,
+                timeout=timeout,
+            )
+        except (RunFailed, ValueError) as exc:
+            stderr().print(f"{type(exc).__name__}: {exc}", markup=False)
+            raise typer.Exit(EXIT_FAILED) from None
+    if as_json:
+        emit_json(result)
+    else:
+        stdout().print(str(result), markup=False, highlight=False)
+    if not result.passed:
+        raise typer.Exit(EXIT_FAILED)
