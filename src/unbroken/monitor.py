@@ -70,6 +70,12 @@ def diagnose(
             f"the resume ({where}), as when a fresh optimizer takes full-size first steps "
             "(DESIGN.md F3)"
         ]
+    if grad_jumped:
+        return [
+            f"lost optimizer state suspected: the gradient norm jumped right after the resume "
+            f"({where}), as when a fresh optimizer takes full-size first steps (DESIGN.md F3) "
+            "or a learning-rate schedule restarts"
+        ]
     if jumped or rising:
         return [
             f"loss spike after the resume: median {typical:.4g}, peak {peak:.4g} in the "

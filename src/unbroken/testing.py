@@ -63,6 +63,8 @@ class ResumeTestResult:
         if self.first_difference:
             lines.append(f"  first difference: {self.first_difference}")
         lines += [f"  final state: {d}" for d in self.state_differences[:10]]
+        if len(self.state_differences) > 10:
+            lines.append(f"  final state: ... and {len(self.state_differences) - 10} more tensors")
         if not self.state_differences:
             lines.append("  final state: every tensor's fingerprint identical")
         for name, dev in self.max_deviation.items():

@@ -152,19 +152,25 @@ def _recorded(name):
     )
 
 
-@pytest.mark.parametrize("resume_at", range(8, 36, 3))
-def test_health_check_quiet_on_the_recorded_correct_example(resume_at):
+@pytest.mark.parametrize(
+    ("name", "resume_at"),
+    [("example_straight", k) for k in range(8, 36, 3)]
+    + [("example_straight_short", k) for k in range(8, 24, 3)],
+)
+def test_health_check_quiet_on_the_recorded_correct_example(name, resume_at):
     """Series recorded from examples/gpt/train.py: no warning wherever the cut falls."""
-    run = _recorded("example_straight")
+    run = _recorded(name)
     loss, gn = run["loss"], run["grad_norm"]
     assert (
         monitor.diagnose(loss[:resume_at], loss[resume_at:], gn[:resume_at], gn[resume_at:]) == []
     )
 
 
-def test_health_check_flags_the_recorded_reset_optimizer_example():
-    """Series recorded from examples/gpt/train_buggy.py (fresh AdamW after restore)."""
-    run = _recorded("example_reset_optimizer")
+@pytest.mark.parametrize("name", ["example_reset_optimizer", "example_reset_optimizer_low_lr"])
+def test_health_check_flags_the_recorded_reset_optimizer_example(name):
+    """Series recorded from examples/gpt/train_buggy.py (fresh AdamW after restore); with a
+    low LR at the resume only the gradient norm shows it."""
+    run = _recorded(name)
     k, loss, gn = run["resumed_at"], run["loss"], run["grad_norm"]
     (warning,) = monitor.diagnose(loss[:k], loss[k:], gn[:k], gn[k:])
     assert warning.startswith("lost optimizer state suspected")
