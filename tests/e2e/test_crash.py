@@ -143,3 +143,18 @@ def test_sigterm_to_a_torchrun_job_saves_and_resumes_exactly(tmp_path):
     assert job.wait(timeout=180) == 0, job.stderr.read()
     result = compare(straight, preempted, stop_at=stopped_at)
     assert result.passed, str(result)
+
+
+def test_crash_after_async_save_returned_keeps_the_previous_latest(tmp_path):
+    folder = tmp_path / "ckpts"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPTS / "async_crash.py"), str(folder)],
+        stdout=subprocess.PIPE, text=True, env=_env(),
+    )  # fmt: skip
+    _wait_for_line(proc, "returned")
+    proc.kill()  # save(2) returned, its background write has not committed
+    proc.wait()
+    model = nn.Linear(64, 64)
+    report = ub.Checkpointer(folder, model=model).restore()
+    assert report.step == 1 and torch.equal(model.weight, torch.ones(64, 64))
+    assert not [x for x in folder.iterdir() if x.name.startswith(".partial")]
