@@ -97,13 +97,27 @@ def test_sigkill_of_one_rank_of_two_during_save(tmp_path):
         _assert_latest_restores_exactly(folder)
 
 
-def _torchrun(folder: Path, steps: int, **env: str) -> subprocess.Popen:
-    return subprocess.Popen(
+@pytest.fixture
+def jobs():
+    """Started jobs; whatever still runs when the test ends (a failure) is killed."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for job in started:
+        if job.poll() is None:
+            for pid in _children(job.pid):
+                os.kill(pid, signal.SIGKILL)
+            job.kill()
+            job.wait()
+
+
+def _torchrun(folder: Path, steps: int, jobs: list, **env: str) -> subprocess.Popen:
+    jobs.append(subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--master_port", str(_free_port()), str(SCRIPTS / "tiny_train.py"), str(folder),
          "--steps", str(steps)],
         env=_env(**env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    ))  # fmt: skip
+    return jobs[-1]
 
 
 def _children(pid: int) -> list[int]:
@@ -119,13 +133,13 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def test_sigterm_to_a_torchrun_job_saves_and_resumes_exactly(tmp_path):
+def test_sigterm_to_a_torchrun_job_saves_and_resumes_exactly(tmp_path, jobs):
     """Preemption: SIGTERM reaches both ranks mid-step; they agree, save at the next step
     boundary, exit cleanly; the resumed run matches an uninterrupted one bit for bit."""
     straight, preempted = tmp_path / "straight", tmp_path / "preempted"
-    job = _torchrun(straight, 30)
+    job = _torchrun(straight, 30, jobs)
     assert job.wait(timeout=180) == 0, job.stderr.read()
-    job = _torchrun(preempted, 30, TINY_SLEEP="0.1")
+    job = _torchrun(preempted, 30, jobs, TINY_SLEEP="0.1")
     deadline = time.monotonic() + 120
     while (
         not (preempted / "metrics.jsonl").exists()
@@ -139,7 +153,7 @@ def test_sigterm_to_a_torchrun_job_saves_and_resumes_exactly(tmp_path):
     assert job.wait(timeout=120) == 0, job.stderr.read()
     stopped_at = ub.Checkpointer(preempted, model=nn.Linear(1, 1)).latest_step()
     assert 10 < stopped_at < 30
-    job = _torchrun(preempted, 30)
+    job = _torchrun(preempted, 30, jobs)
     assert job.wait(timeout=180) == 0, job.stderr.read()
     result = compare(straight, preempted, stop_at=stopped_at)
     assert result.passed, str(result)
