@@ -195,32 +195,41 @@ class ShardReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         cache: dict[MetadataIndex, torch.Tensor] = {}
         remaining = Counter(req.dest_index.fqn for req in plan.items)
-        for req in sorted(plan.items, key=lambda r: self._location(r.storage_index).offset):
-            if req.type != LoadItemType.TENSOR:
-                raise CorruptCheckpointError(
-                    f"{req.storage_index.fqn}: the checkpoint asks for a non-tensor read"
-                )
-            chunk = cache.get(req.storage_index)
-            if chunk is None:
-                chunk = self._read_chunk(req.storage_index)
-                cache[req.storage_index] = chunk
-            piece = chunk
-            for dim, (start, length) in enumerate(
-                zip(req.storage_offsets, req.lengths, strict=True)
-            ):
-                piece = piece.narrow(dim, start, length)
-            target = planner.resolve_tensor(req).detach()
-            if target.shape != piece.shape:
-                raise CorruptCheckpointError(
-                    f"{req.storage_index.fqn}: chunk shape {tuple(piece.shape)} does not fit "
-                    f"the read target {tuple(target.shape)}"
-                )
-            target.copy_(piece)
-            planner.commit_tensor(req, target)
-            remaining[req.dest_index.fqn] -= 1
-            if remaining[req.dest_index.fqn] == 0:
-                cache.pop(req.storage_index, None)
-                if self.on_loaded is not None:
+        uses = Counter(req.storage_index for req in plan.items)
+        with contextlib.ExitStack() as files:
+            opened: dict[str, Any] = {}
+            for req in sorted(plan.items, key=lambda r: self._location(r.storage_index).offset):
+                if req.type != LoadItemType.TENSOR:
+                    raise CorruptCheckpointError(
+                        f"{req.storage_index.fqn}: the checkpoint asks for a non-tensor read"
+                    )
+                target = planner.resolve_tensor(req).detach()
+                if uses[req.storage_index] == 1 and self._fits_whole(req, target):
+                    # The common case (same world size): bytes go straight into the
+                    # target, no staging buffer, no second copy.
+                    self._read_chunk(req.storage_index, files, opened, into=target)
+                else:
+                    chunk = cache.get(req.storage_index)
+                    if chunk is None:
+                        chunk = self._read_chunk(req.storage_index, files, opened)
+                        cache[req.storage_index] = chunk
+                    piece = chunk
+                    for dim, (start, length) in enumerate(
+                        zip(req.storage_offsets, req.lengths, strict=True)
+                    ):
+                        piece = piece.narrow(dim, start, length)
+                    if target.shape != piece.shape:
+                        raise CorruptCheckpointError(
+                            f"{req.storage_index.fqn}: chunk shape {tuple(piece.shape)} does "
+                            f"not fit the read target {tuple(target.shape)}"
+                        )
+                    target.copy_(piece)
+                    uses[req.storage_index] -= 1
+                    if uses[req.storage_index] == 0:
+                        cache.pop(req.storage_index, None)
+                planner.commit_tensor(req, target)
+                remaining[req.dest_index.fqn] -= 1
+                if remaining[req.dest_index.fqn] == 0 and self.on_loaded is not None:
                     self.on_loaded(req.dest_index.fqn)
         future: Future[None] = Future()
         future.set_result(None)
@@ -229,12 +238,34 @@ class ShardReader(StorageReader):
     def _location(self, index: MetadataIndex) -> ChunkLocation:
         return self.metadata.storage_data[index]
 
-    def _read_chunk(self, index: MetadataIndex) -> torch.Tensor:
-        loc = self._location(index)
+    def _chunk_sizes(self, index: MetadataIndex) -> torch.Size:
         meta = self.metadata.state_dict_metadata[index.fqn]
-        sizes = next(c.sizes for c in meta.chunks if c.offsets == index.offset)
-        dtype = meta.properties.dtype
-        out = torch.empty(sizes, dtype=dtype)
+        return next(c.sizes for c in meta.chunks if c.offsets == index.offset)
+
+    def _fits_whole(self, req: Any, target: torch.Tensor) -> bool:
+        sizes = self._chunk_sizes(req.storage_index)
+        meta = self.metadata.state_dict_metadata[req.storage_index.fqn]
+        return (
+            all(o == 0 for o in req.storage_offsets)
+            and tuple(req.lengths) == tuple(sizes)
+            and tuple(target.shape) == tuple(sizes)
+            and target.dtype == meta.properties.dtype
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+        )
+
+    def _read_chunk(
+        self,
+        index: MetadataIndex,
+        files: contextlib.ExitStack,
+        opened: dict[str, Any],
+        into: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Read one chunk (into ``into`` if given) and verify its checksum."""
+        loc = self._location(index)
+        sizes = self._chunk_sizes(index)
+        dtype = self.metadata.state_dict_metadata[index.fqn].properties.dtype
+        out = into if into is not None else torch.empty(sizes, dtype=dtype)
         expected = out.numel() * out.element_size()
         path = os.path.join(self.directory, loc.file)
         if loc.length != expected:
@@ -245,9 +276,11 @@ class ShardReader(StorageReader):
         if expected:
             buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
             try:
-                with open(path, "rb") as f:
-                    f.seek(loc.offset)
-                    got = f.readinto(buf)
+                if path not in opened:
+                    opened[path] = files.enter_context(open(path, "rb"))  # noqa: SIM115
+                f = opened[path]
+                f.seek(loc.offset)
+                got = f.readinto(buf)
             except FileNotFoundError:
                 raise CorruptCheckpointError(
                     f"{path} is missing; this checkpoint cannot be restored, use an older step"
