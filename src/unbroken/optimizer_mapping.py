@@ -18,6 +18,7 @@ from torch import nn
 
 from .coverage import PARAM_SHAPED
 from .errors import IncompleteCheckpointError, StateMismatchError
+from .state import group_fqns
 
 ADAMW_STATE = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
 ADAMW_HYPER = frozenset({"lr", "betas", "eps", "weight_decay"})
@@ -31,18 +32,7 @@ def listing(names: list[Any]) -> str:
 def live_groups(
     optimizer: torch.optim.Optimizer, fqn_of: dict[nn.Parameter, str]
 ) -> list[list[str]]:
-    groups = []
-    for g, group in enumerate(optimizer.param_groups):
-        names = []
-        for j, p in enumerate(group["params"]):
-            if p not in fqn_of:
-                raise StateMismatchError(
-                    f"the factory's optimizer holds a parameter (group {g}, position {j}) that "
-                    "is not a parameter of the factory's model"
-                )
-            names.append(fqn_of[p])
-        groups.append(names)
-    return groups
+    return group_fqns(optimizer, fqn_of, "the factory's optimizer", "the factory's model")
 
 
 def from_positions(

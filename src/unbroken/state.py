@@ -177,20 +177,7 @@ class OptimizerComponent(Component):
         return self._fqn_of
 
     def _group_fqns(self, opt: torch.optim.Optimizer, where: str) -> list[list[str]]:
-        fqn_of = self._fqns()
-        groups = []
-        for g, group in enumerate(opt.param_groups):
-            names = []
-            for j, p in enumerate(group["params"]):
-                if p not in fqn_of:
-                    raise CheckpointError(
-                        f"{where} holds a parameter (group {g}, position {j}, shape "
-                        f"{tuple(p.shape)}) that is not a parameter of the model passed to "
-                        "Checkpointer; pass every model whose parameters it optimizes"
-                    )
-                names.append(fqn_of[p])
-            groups.append(names)
-        return groups
+        return group_fqns(opt, self._fqns(), where, "the model passed to Checkpointer")
 
     def _where(self, name: str | None) -> str:
         return "optimizer" if name is None else f"optimizer[{name!r}]"
@@ -274,6 +261,30 @@ class OptimizerComponent(Component):
             for k, v in value.items():
                 if isinstance(v, torch.Tensor) and live_state.get(k) is not v:
                     live_state[k] = v
+
+
+def group_fqns(
+    opt: torch.optim.Optimizer, fqn_of: dict[nn.Parameter, str], where: str, owner: str
+) -> list[list[str]]:
+    """The FQNs of each param group's parameters, in the optimizer's order.
+
+    Raises:
+        StateMismatchError: ``where`` (the optimizer) holds a parameter that is not one of
+            ``owner`` (the model).
+    """
+    groups = []
+    for g, group in enumerate(opt.param_groups):
+        names = []
+        for j, p in enumerate(group["params"]):
+            if p not in fqn_of:
+                raise StateMismatchError(
+                    f"{where} holds a parameter (group {g}, position {j}, shape "
+                    f"{tuple(p.shape)}) that is not a parameter of {owner}; pass every model "
+                    "whose parameters it optimizes"
+                )
+            names.append(fqn_of[p])
+        groups.append(names)
+    return groups
 
 
 def _param_of_state_key(key: str, params: Mapping[str, Any]) -> str | None:

@@ -56,24 +56,11 @@ def single_run(tmp_path_factory) -> Path:
     return root
 
 
-def _save_on_fsdp(rank: int, world: int, path: str) -> dict | None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import unbroken as ub
-
-    mesh = init_device_mesh("cpu", (world,))
-    model, opt = models.build(fsdp_mesh=mesh)
-    models.train_steps(model, opt, 3, rank=rank)
-    ub.Checkpointer(path, model=model, optimizer=opt).save(3)
-    full = models.full_state(model, opt)
-    return full if rank == 0 else None
-
-
 @pytest.fixture(scope="session")
 def fsdp_run(tmp_path_factory) -> tuple[Path, dict]:
     """A 2-rank FSDP2 checkpoint of step 3, and its gathered model/optimizer state."""
     root = tmp_path_factory.mktemp("fsdp") / "run"
-    full = launcher.run(_save_on_fsdp, 2, str(root))[0]
+    full = launcher.run(models.save_trained_fsdp, 2, str(root))[0]
     return root, full
 
 

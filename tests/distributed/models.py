@@ -67,3 +67,18 @@ def full_state(model, opt) -> dict:
     )
     # Deep copy: CPU tensors such as AdamW's ``step`` come back as the live objects.
     return copy.deepcopy({"model": msd, "optimizer": osd.get("state", {})})
+
+
+def save_trained_fsdp(rank: int, world: int, path: str) -> dict | None:
+    """Worker: FSDP2 on ``world`` ranks, 3 steps, saved as step 3; rank 0 returns the
+    full (gathered) state to compare against."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import unbroken as ub
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build(fsdp_mesh=mesh)
+    train_steps(model, opt, 3, rank=rank)
+    ub.Checkpointer(path, model=model, optimizer=opt).save(3)
+    full = full_state(model, opt)
+    return full if rank == 0 else None

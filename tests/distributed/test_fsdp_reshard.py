@@ -10,19 +10,6 @@ from . import launcher, models
 pytestmark = pytest.mark.distributed
 
 
-def _save_on_fsdp(rank: int, world: int, path: str) -> dict | None:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import unbroken as ub
-
-    mesh = init_device_mesh("cpu", (world,))
-    model, opt = models.build(fsdp_mesh=mesh)
-    models.train_steps(model, opt, 3, rank=rank)
-    ub.Checkpointer(path, model=model, optimizer=opt).save(3)
-    full = models.full_state(model, opt)
-    return full if rank == 0 else None
-
-
 def _restore_on_fsdp(rank: int, world: int, path: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -54,7 +41,7 @@ def _assert_identical(got: dict, want: dict) -> None:
 @pytest.fixture(scope="module")
 def saved_on_two(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("fsdp2") / "ckpt")
-    want = launcher.run(_save_on_fsdp, 2, path)[0]
+    want = launcher.run(models.save_trained_fsdp, 2, path)[0]
     return path, want
 
 
