@@ -271,6 +271,7 @@ class Checkpointer:
             self.wait()
             self._flush_metrics()
         finally:
+            self._dir.finish_removals()
             self._stop.close()
             if self._executor is not None:
                 self._executor.shutdown(wait=True)

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,6 +60,7 @@ class CheckpointDir:
                 )
             text = text.removeprefix("file://")
         self.root = Path(text)
+        self._removals: list[threading.Thread] = []
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointError(
                 f"{self.root} is a file, not a checkpoint directory; pass the folder that "
@@ -140,12 +142,23 @@ class CheckpointDir:
         return final
 
     def remove(self, step: int) -> None:
-        """Delete a committed checkpoint: un-list it atomically first, then delete files."""
+        """Delete a committed checkpoint: un-list it atomically first, then delete its
+        files in a background thread (unlinking GBs takes a while; training need not
+        wait). :meth:`finish_removals` waits for them."""
         path = self.step_path(step)
         trash = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:12]}"
         os.rename(path, trash)
         _fsync_dir(self.root)
-        shutil.rmtree(trash, ignore_errors=True)
+        worker = threading.Thread(
+            target=shutil.rmtree, args=(trash, True), name="unbroken-delete", daemon=False
+        )
+        worker.start()
+        self._removals = [t for t in self._removals if t.is_alive()] + [worker]
+
+    def finish_removals(self) -> None:
+        for worker in self._removals:
+            worker.join()
+        self._removals = []
 
     def discard(self, partial: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)

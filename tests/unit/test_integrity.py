@@ -107,6 +107,7 @@ def test_keep_last_retention(ckpt_dir):
         p.step()
         ckpt.save(step)
     assert ckpt.steps() == [4, 5]
+    ckpt.close()  # old files are deleted in the background; close() waits for that
     folders = sorted(x.name for x in ckpt_dir.iterdir() if x.is_dir())
     assert folders == ["step_00000004", "step_00000005"]
 
