@@ -22,6 +22,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 ALGORITHM = "wsum64-v1"
@@ -37,30 +38,21 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def _signed(x: int) -> int:
-    return x - (1 << 64) if x >= (1 << 63) else x
-
-
-_TABLE = torch.tensor([_signed(_splitmix64(i) | 1) for i in range(_BLOCK)], dtype=torch.int64)
+_TABLE = np.array([_splitmix64(i) | 1 for i in range(_BLOCK)], dtype=np.uint64).view(np.int64)
+_SALT = np.uint64(0x9E3779B97F4A7C15 ^ 0x5BD1E995)
 _WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _block_weights(first_block: int, count: int) -> torch.Tensor:
-    """U(b) for b in [first_block, first_block + count): splitmix64 of ``b ^ salt``, odd."""
-    b = torch.arange(first_block, first_block + count, dtype=torch.int64)
-    x = b + _signed(0x9E3779B97F4A7C15 ^ 0x5BD1E995)
-    x = (x ^ _lshr(x, 30)) * _signed(0xBF58476D1CE4E5B9)
-    x = (x ^ _lshr(x, 27)) * _signed(0x94D049BB133111EB)
-    return (x ^ _lshr(x, 31)) | 1
+def _block_weights(first_block: int, count: int) -> np.ndarray:
+    """U(b) for b in [first_block, first_block + count): splitmix64 of ``b + salt``, odd."""
+    x = np.arange(first_block, first_block + count, dtype=np.uint64) + _SALT
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((x ^ (x >> np.uint64(31))) | np.uint64(1)).view(np.int64)
 
 
-def _lshr(x: torch.Tensor, n: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (x >> n) & ((1 << (64 - n)) - 1)
-
-
-def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The tensor's bytes as a 1-D tensor of integer words, and words per element."""
+def _words(t: torch.Tensor) -> tuple[np.ndarray, int]:
+    """The tensor's bytes as a 1-D array of integer words, and words per element."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -68,30 +60,36 @@ def _words(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     size = t.element_size()
     word = min(size, 8)
     raw = t.view(torch.uint8) if size != 1 else t.view(torch.int8)
-    return raw.view(_WORD_DTYPES[word]), size // word
+    return raw.view(_WORD_DTYPES[word]).numpy(), size // word
 
 
-def _run_sum(words: torch.Tensor, g0: int) -> int:
-    """Weighted sum of a contiguous run of words starting at global word index ``g0``."""
-    n = words.numel()
+def _run_sum(words: np.ndarray, g0: int) -> int:
+    """Weighted sum of a contiguous run of words starting at global word index ``g0``.
+
+    NumPy on one core, on purpose: it releases the GIL and keeps off torch's intra-op
+    thread pool, so fingerprinting beside I/O (or training) does not oversubscribe cores.
+    Integer products and sums wrap modulo 2**64, which is the arithmetic we want.
+    """
+    n = words.size
     total = 0
     pos = 0
-    while pos < n:
-        g = g0 + pos
-        block, within = divmod(g, _BLOCK)
-        if within or n - pos < _BLOCK:  # a partial block: head or tail of the run
-            take = min(_BLOCK - within, n - pos)
-            seg = words[pos : pos + take].to(torch.int64)
-            part = int((seg * _TABLE[within : within + take]).sum())
-            total += part * int(_block_weights(block, 1)[0])
-            pos += take
-            continue
-        nblocks = min((n - pos) // _BLOCK, _SLAB_BLOCKS)
-        seg = words[pos : pos + nblocks * _BLOCK].view(nblocks, _BLOCK)
-        prod = torch.mul(seg, _TABLE)  # promotes to int64, wraps mod 2**64
-        per_block = prod.sum(dim=1)
-        total += int((per_block * _block_weights(block, nblocks)).sum())
-        pos += nblocks * _BLOCK
+    slab = np.empty((_SLAB_BLOCKS, _BLOCK), dtype=np.int64)
+    with np.errstate(over="ignore"):
+        while pos < n:
+            block, within = divmod(g0 + pos, _BLOCK)
+            if within or n - pos < _BLOCK:  # a partial block: head or tail of the run
+                take = min(_BLOCK - within, n - pos)
+                seg = words[pos : pos + take].astype(np.int64)
+                part = int((seg * _TABLE[within : within + take]).sum())
+                total += part * int(_block_weights(block, 1)[0])
+                pos += take
+                continue
+            nblocks = min((n - pos) // _BLOCK, _SLAB_BLOCKS)
+            seg = words[pos : pos + nblocks * _BLOCK].reshape(nblocks, _BLOCK)
+            prod = slab[:nblocks]
+            np.multiply(seg, _TABLE, out=prod, casting="unsafe")
+            total += int((prod.sum(axis=1) * _block_weights(block, nblocks)).sum())
+            pos += nblocks * _BLOCK
     return total & _MASK
 
 
