@@ -29,3 +29,9 @@ test: lint
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
+
+# Save/restore benchmarks (4-7 minutes on 2 cores): prints the tables and regenerates
+# docs/benchmarks.md. A smoke test: $(PY) benchmarks/save_restore.py --quick
+.PHONY: bench
+bench: $(STAMP)
+	$(PY) benchmarks/save_restore.py --write-docs

@@ -1,0 +1,155 @@
+"""Where ours spends its time: cProfile of a save and of cold restores.
+
+    python benchmarks/save_restore.py --sizes 1200 --profile [--top 25]
+
+Each case runs once unprofiled (its plain wall time) and once under cProfile. Threads
+that the call starts (e.g. a fingerprint worker) get their own profiler and are listed
+separately; threads that existed before the call are not seen.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import paths
+import unbroken as ub
+from common import build_state, drop_page_cache, fresh_like, state_bytes, table
+
+
+class ThreadProfiles:
+    """cProfile of the calling thread, plus one profiler per thread started meanwhile."""
+
+    def __init__(self) -> None:
+        self.main = cProfile.Profile()
+        self.workers: list[tuple[str, cProfile.Profile]] = []
+
+    def _hook(self, *_: object) -> None:
+        sys.setprofile(None)
+        prof = cProfile.Profile()
+        self.workers.append((threading.current_thread().name, prof))
+        prof.enable()
+
+    def __enter__(self) -> ThreadProfiles:
+        threading.setprofile(self._hook)
+        self.main.enable()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.main.disable()
+        threading.setprofile(None)  # type: ignore[arg-type]
+        for _, prof in self.workers:
+            prof.disable()
+
+
+def _where(func: tuple[str, int, str]) -> str:
+    path, line, name = func
+    if path == "~":
+        return name  # a builtin
+    for marker in ("site-packages/", "/src/", "/lib/python3."):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+            break
+    return f"{path}:{line}({name})"
+
+
+def _own_time_table(stats: pstats.Stats, wall: float, top: int) -> str:
+    entries = stats.stats  # type: ignore[attr-defined]
+    own = sorted(entries.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    rows = [
+        [_where(f), str(nc), f"{tt:.3f}", f"{tt / wall:.0%}", f"{ct:.3f}"]
+        for f, (_, nc, tt, ct, _) in own
+    ]
+    return table(["function", "calls", "own s", "% of wall", "cumulative s"], rows)
+
+
+def _cumulative_table(stats: pstats.Stats, wall: float, top: int) -> str:
+    entries = stats.stats  # type: ignore[attr-defined]
+    ours = [
+        (f, v) for f, v in entries.items() if "unbroken" in f[0] or "distributed/checkpoint" in f[0]
+    ]
+    cum = sorted(ours, key=lambda kv: kv[1][3], reverse=True)[:top]
+    rows = [
+        [_where(f), str(nc), f"{tt:.3f}", f"{ct:.3f}", f"{ct / wall:.0%}"]
+        for f, (_, nc, tt, ct, _) in cum
+    ]
+    return table(["function", "calls", "own s", "cumulative s", "% of wall"], rows)
+
+
+def report(profiles: ThreadProfiles, wall: float, top: int) -> str:
+    """Tables: the calling thread by own time and, for unbroken and DCP functions, by
+    cumulative time; then the threads the call started, by own time."""
+    main = pstats.Stats(profiles.main)
+    parts = [
+        "calling thread, by own time (tottime):",
+        _own_time_table(main, wall, top),
+        "",
+        "calling thread, unbroken and torch.distributed.checkpoint by cumulative time:",
+        _cumulative_table(main, wall, top),
+    ]
+    if profiles.workers:
+        names = sorted({n.rsplit("_", 1)[0] for n, _ in profiles.workers})
+        workers = pstats.Stats(profiles.workers[0][1])
+        for _, prof in profiles.workers[1:]:
+            workers.add(prof)
+        parts += [
+            "",
+            f"{len(profiles.workers)} thread(s) started by the call ({', '.join(names)}), "
+            "by own time (they overlap the calling thread):",
+            _own_time_table(workers, wall, min(top, 12)),
+        ]
+    return "\n".join(parts)
+
+
+def profile(mb: float, width: int, tmp: str, top: int) -> None:
+    """Profile ours' save, restore into fresh objects and into existing ones (cold)."""
+    model, opt = build_state(mb, width)
+    nbytes = state_bytes(model, opt)
+    root = Path(tempfile.mkdtemp(prefix="ub-profile-", dir=tmp))
+    d = str(root / "ours")
+    steps = iter(range(1, 1_000_000))
+    fresh: list = []
+    try:
+        ckpt = ub.Checkpointer(d, model=model, optimizer=opt, keep_last=None)
+        ckpt.save(next(steps))  # warm-up: first-call costs are not what we are after
+
+        def clear_steps() -> None:
+            for p in Path(d).glob("step_*"):
+                paths.clear(p)
+
+        def fresh_objects() -> None:
+            fresh.clear()
+            fresh.extend(fresh_like(model))
+            drop_page_cache([d])
+
+        cases: list[tuple[str, Callable[[], object], Callable[[], object]]] = [
+            ("save (sync)", lambda: ckpt.save(next(steps)), clear_steps),
+            ("restore, fresh objects", lambda: paths.ours_restore(d, *fresh), fresh_objects),
+            ("restore, existing objects", lambda: paths.ours_restore(d, model, opt),
+             lambda: drop_page_cache([d])),
+        ]  # fmt: skip
+        for name, fn, setup in cases:
+            setup()
+            start = time.perf_counter()
+            fn()
+            plain = time.perf_counter() - start
+            setup()
+            with ThreadProfiles() as profiles:
+                start = time.perf_counter()
+                fn()
+                wall = time.perf_counter() - start
+            print(
+                f"\n== cProfile of ours, {name}: {nbytes / 1e9:.2f} GB; {plain:.3f} s "
+                f"unprofiled, {wall:.3f} s under the profiler"
+            )
+            print(report(profiles, wall, top))
+        ckpt.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

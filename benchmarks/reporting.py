@@ -1,0 +1,378 @@
+"""Tables, targets and the markdown report of ``save_restore.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+from common import Measurement, table
+
+
+@dataclasses.dataclass
+class Row:
+    """One measured path: its label and measurement, or why there is none."""
+
+    label: str
+    m: Measurement | None
+    error: str | None = None
+    na: bool = False  # not applicable (a feature not available), not a failure
+
+
+@dataclasses.dataclass
+class SizeResult:
+    mb: float
+    nbytes: int
+    ntensors: int
+    repeats: int
+    rows: dict[str, Row]
+    notes: list[str]
+    fsdp: dict[str, Any] | None  # fsdp_worker.py's JSON, or {"error": ...}, or None
+    load: dict[str, float]  # phase -> cores other processes kept busy meanwhile
+
+
+SAVE_ROWS = [
+    "floor_write", "torch_save", "dcp_save_1", "dcp_save_2", "ours_save",
+    "async_first", "async_block", "async_commit",
+]  # fmt: skip
+RESTORE_ROWS = [
+    "floor_read", "floor_read_new", "torch_load", "dcp_load", "dcp_load_fresh",
+    "ours_restore_fresh", "ours_restore",
+]  # fmt: skip
+OTHER_ROWS = ["copy", "clone", "fingerprints", "checksums"]
+# The reference rows of the ratio columns: (a) disk floor, (b) torch, (c) raw DCP.
+SAVE_REFS = ("floor_write", "torch_save", "dcp_save")
+RESTORE_REFS = ("floor_read", "torch_load", "dcp_load")
+FRESH_ROWS = {"dcp_load_fresh", "ours_restore_fresh"}  # compared with DCP into fresh objects
+
+# The single-process row each 2-rank FSDP2 case is compared with.
+FSDP_PEERS = {
+    "ours save": "ours_save",
+    "ours restore, fresh objects": "ours_restore_fresh",
+    "ours restore, existing objects": "ours_restore",
+    "raw DCP save (thread_count=1)": "dcp_save_1",
+    "raw DCP load, existing objects": "dcp_load",
+}
+OURS_FSDP = ["ours save", "ours restore, fresh objects", "ours restore, existing objects"]
+
+
+def _secs(m: Measurement) -> tuple[str, str]:
+    return f"{m.median:.3f}", f"{m.low:.3f}-{m.high:.3f}"
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.0f} MB"
+
+
+def size_text(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _mem(n: int, of: int) -> str:
+    return f"{_mb(n)} ({n / of:.0%})"
+
+
+def _median(r: SizeResult, key: str) -> float | None:
+    row = r.rows.get(key)
+    return row.m.median if row is not None and row.m is not None else None
+
+
+def _ratio(value: float | None, ref: float | None) -> str:
+    return f"{value / ref:.2f}x" if value is not None and ref else "-"
+
+
+def _row_cells(r: SizeResult, key: str, refs: tuple[str, ...]) -> list[str]:
+    row = r.rows.get(key)
+    if row is None:
+        return []
+    if row.m is None:
+        return [row.label, row.error or "failed", "", "", "", "", "", ""]
+    med, span = _secs(row.m)
+    ratios = [_ratio(row.m.median, _median(r, ref)) for ref in refs]
+    return [
+        row.label, med, span, f"{r.nbytes / 1e9 / row.m.median:.2f}", *ratios,
+        _mem(row.m.peak_extra, r.nbytes),
+    ]  # fmt: skip
+
+
+HEADERS = ["what", "median s", "min-max s", "GB/s", "x (a)", "x (b)", "x (c)", "peak extra RSS"]
+
+
+def size_tables(r: SizeResult) -> str:
+    save = [_row_cells(r, k, SAVE_REFS) for k in SAVE_ROWS]
+    restore = []
+    for k in RESTORE_ROWS:
+        refs = (*RESTORE_REFS[:2], "dcp_load_fresh" if k in FRESH_ROWS else "dcp_load")
+        restore.append(_row_cells(r, k, refs))
+    other = [_row_cells(r, k, ("copy", "ours_save", "ours_restore_fresh")) for k in OTHER_ROWS]
+    parts = [
+        "Save (x (a): the write + fsync floor; x (b): torch.save; x (c): raw DCP, best "
+        "thread_count):",
+        "",
+        table(HEADERS, [c for c in save if c]),
+        "",
+        "Restore, cold page cache (x (a): cold read into existing tensors; x (b): torch.load; "
+        "x (c): raw DCP load into the same kind of objects):",
+        "",
+        table(HEADERS, [c for c in restore if c]),
+        "",
+        "Copies and verification (here x (a): one copy into preallocated memory; x (b): "
+        "ours' save; x (c): ours' restore into fresh objects):",
+        "",
+        table(HEADERS, [c for c in other if c]),
+    ]
+    fp, xx = _median(r, "fingerprints"), _median(r, "checksums")
+    save_s, restore_s = _median(r, "ours_save"), _median(r, "ours_restore_fresh")
+    if fp is not None and xx is not None and save_s and restore_s:
+        parts += [
+            "",
+            f"Verification share: fingerprints + xxh3-128 checksums of every tensor take "
+            f"{fp + xx:.3f} s, {(fp + xx) / save_s:.0%} of ours' save and "
+            f"{(fp + xx) / restore_s:.0%} of ours' restore into fresh objects (a save computes "
+            "both once per tensor, a restore checks every checksum and compares values; the "
+            "profile, `--profile`, shows what the current code spends).",
+        ]
+    if r.fsdp is not None:
+        parts += ["", fsdp_table(r)]
+    for note in r.notes:
+        parts += ["", f"Note: {note}"]
+    return "\n".join(parts)
+
+
+def fsdp_table(r: SizeResult) -> str:
+    f = r.fsdp or {}
+    if "error" in f:
+        return f"2-rank FSDP2: failed: {f['error']}"
+    shard = f["shard_bytes"]
+    rows = []
+    for name, case in f["cases"].items():
+        if case["error"] is not None or not case["times"]:
+            rows.append([name, case["error"] or "failed", "", "", "", "", ""])
+            continue
+        m = Measurement(case["times"], 0)
+        med, span = _secs(m)
+        peer = _median(r, FSDP_PEERS.get(name, ""))
+        peaks = case["peak_extra"]
+        rows.append([
+            name, med, span, f"{r.nbytes / 1e9 / m.median:.2f}", _ratio(m.median, peer),
+            _mem(peaks[0], shard[0]), _mem(peaks[1], shard[1]) if len(peaks) > 1 else "-",
+        ])  # fmt: skip
+    headers = ["what", "median s", "min-max s", "GB/s", "x 1 process",
+               "rank 0 peak extra RSS (% of its shard)", "rank 1"]  # fmt: skip
+    return "\n".join(
+        [
+            f"2-rank FSDP2 (torchrun, gloo, fully_shard per layer and root; the same "
+            f"{size_text(r.nbytes)} in total, shards of {' + '.join(_mb(s) for s in shard)}; "
+            "x 1 process: over the same path in one process):",
+            "",
+            table(headers, rows),
+        ]
+    )
+
+
+@dataclasses.dataclass
+class Target:
+    name: str
+    value: float | None  # None: not measured
+    limit: float
+    shown: str  # the measured value as read by a person
+    wanted: str
+    higher_is_better: bool = False
+    why_none: str = "not measured"
+
+    def status(self) -> str:
+        if self.value is None:
+            return f"n/a ({self.why_none})"
+        if self.higher_is_better:
+            if self.value >= self.limit:
+                return "met"
+            return f"missed by {self.limit / self.value - 1:.0%}"
+        if self.value <= self.limit:
+            return "met"
+        return f"missed by {self.value / self.limit - 1:.0%}"
+
+
+def _over(r: SizeResult, key: str, ref: str) -> float | None:
+    a, b = _median(r, key), _median(r, ref)
+    return a / b if a is not None and b else None
+
+
+def _x(v: float | None, suffix: str = "x") -> str:
+    return "-" if v is None else f"{v:.2f}{suffix}"
+
+
+def targets(r: SizeResult) -> list[Target]:
+    """The targets of issue 5 for one state size."""
+    out: list[Target] = []
+
+    def ratio_target(name: str, key: str, ref: str, limit: float, wanted: str) -> None:
+        v = _over(r, key, ref)
+        out.append(Target(name, v, limit, _x(v), wanted))
+
+    ratio_target("save (verified) vs the write + fsync floor", "ours_save", "floor_write", 1.15,
+                 "<= 1.15x")  # fmt: skip
+    ratio_target("save (verified) vs raw DCP save (best thread_count)", "ours_save", "dcp_save",
+                 1.05, "<= 1.05x")  # fmt: skip
+    speed = _over(r, "torch_save", "ours_save")
+    out.append(Target("save (verified) vs torch.save of the full state", speed, 1.5,
+                      _x(speed, "x faster"), ">= 1.5x faster", higher_is_better=True))  # fmt: skip
+    for key, what in [("ours_restore_fresh", "fresh"), ("ours_restore", "existing")]:
+        ratio_target(f"restore (verified), {what} objects, vs the cold-read floor", key,
+                     "floor_read", 1.15, "<= 1.15x")  # fmt: skip
+        peer = "dcp_load_fresh" if what == "fresh" else "dcp_load"
+        ratio_target(f"restore (verified), {what} objects, vs raw DCP load", key, peer, 1.0,
+                     "< 1.00x (faster)")  # fmt: skip
+    block = r.rows.get("async_block")
+    v = _over(r, "async_block", "copy")
+    t = Target("async save: training blocked vs one copy into preallocated memory", v, 1.5,
+               _x(v), "<= 1.5x")  # fmt: skip
+    if block is not None and block.m is None:
+        t.why_none = "async_save=True is refused today" if block.na else (block.error or "")
+    out.append(t)
+    save = r.rows.get("ours_save")
+    peak = save.m.peak_extra / r.nbytes if save is not None and save.m is not None else None
+    out.append(Target("peak extra memory during a synchronous save", peak, 0.10,
+                      "-" if peak is None else f"{peak:.1%} of the state", "<= 10%"))  # fmt: skip
+    out += fsdp_targets(r)
+    return out
+
+
+def fsdp_targets(r: SizeResult) -> list[Target]:
+    if r.fsdp is None:
+        return []
+    f = r.fsdp
+    out: list[Target] = []
+    why = f.get("error", "")
+    for name in OURS_FSDP:
+        case = f.get("cases", {}).get(name)
+        single = _median(r, FSDP_PEERS[name])
+        v = None
+        if case is not None and case["times"] and case["error"] is None and single:
+            v = statistics.median(case["times"]) / single
+        elif case is not None:
+            why = case["error"] or "failed"
+        out.append(Target(f"2-rank FSDP2 {name.removeprefix('ours ')} vs 1 process", v, 1.2,
+                          _x(v), "<= 1.2x", why_none=why))  # fmt: skip
+    cases = f.get("cases", {})
+    for what, names in [("save", OURS_FSDP[:1]), ("restores", OURS_FSDP[1:])]:
+        peaks = [cases[n]["peak_extra"][0] for n in names if n in cases and cases[n]["times"]]
+        v = max(peaks) / f["shard_bytes"][0] if peaks else None
+        out.append(Target(f"2-rank FSDP2: rank 0's peak extra RSS in ours' {what} vs its shard",
+                          v, 1.0, _x(v, "x its shard"), "<= 1x (a gather: >= 2x)",
+                          why_none=why))  # fmt: skip
+    return out
+
+
+def targets_table(results: list[SizeResult]) -> str:
+    rows = [
+        [size_text(r.nbytes), t.name, t.shown, t.wanted, t.status()]
+        for r in results
+        for t in targets(r)
+    ]
+    return table(["state", "target", "measured", "wanted", "status"], rows)
+
+
+METHOD = """\
+## How it is measured
+
+- One process builds the state (`common.build_state`: `nn.Linear(2048, 2048, bias=False)`
+  layers and AdamW after one step: weights, `exp_avg`, `exp_avg_sq`), then measures every
+  path in the same run, on the same disk (one temp folder under `--tmpdir`, removed at the
+  end). Each number is the median of the runs, with min-max. Timings are wall-clock
+  seconds of the call alone; untimed set-up before each run removes the previous output
+  and `sync`s.
+- The cases run round-robin: each round runs every case once, saves first, then cold
+  restores of what that round saved, then the copies, each group rotated by one place per
+  round; so load from other processes, and what one case leaves behind for the next (a
+  disk still absorbing the previous write), fall on all paths alike. The CPU time other
+  processes used meanwhile is under Machine.
+- *Cold* reads: before each run the files are fsynced and evicted from the page cache
+  (`posix_fadvise(DONTNEED)`).
+- (a) floor: the state's raw bytes written to one file with plain writes + `fsync`, and
+  read back with `readinto` into existing tensors (and, for reference, into new ones,
+  which pays the first touch of every page).
+- (b) `torch.save({"model": ..., "optimizer": ...})` + `fsync`, and `torch.load` +
+  `load_state_dict` into the existing objects.
+- (c) raw DCP: `get_state_dict` -> `dcp.save(FileSystemWriter(thread_count=1 or 2))`;
+  load: `get_state_dict` templates -> `dcp.load` -> `set_state_dict`, into the existing
+  objects, or into fresh ones (where `get_state_dict` first creates the optimizer state
+  with a zero-gradient step).
+- (d) ours: `Checkpointer(...).save(step)`; `restore()` by a new `Checkpointer`, into
+  fresh objects (a new model and an AdamW without state, as a resumed process has) or into
+  the existing ones, both verifying as the library does. Async: the first `save()`,
+  then the median of the later ones (staging memory reused), each timed until it returns
+  (training blocked) and until its step is committed.
+- Peak extra RSS: `/proc/self/statm` sampled every 2 ms by a thread, peak minus the level
+  at the start of the run (the allocator's free memory is trimmed first); the largest
+  over the runs. Restores into fresh objects include allocating the optimizer state.
+- 2-rank FSDP2: `fsdp_worker.py` under `torch.distributed.run --nproc_per_node 2`, gloo,
+  `init_device_mesh("cpu", (2,))`, `fully_shard` per layer and at the root, one thread per
+  rank; times between barriers on rank 0, peak extra RSS per rank.
+- Verification share: `unbroken.fingerprint.fingerprint` and xxh3-128 over every tensor
+  once (the logic of `verification_cost.py`).
+- Caveats: on a shared machine, other processes' CPU use slows the CPU-heavy paths
+  (checksums, fingerprints, torch.save's CRC32) and torch ops run with 2 intra-op threads
+  most of all; on a virtual disk, a write can be several times slower when it lands on
+  blocks never written before (thin provisioning). Min-max shows the spread.
+- The scripts print tables and never assert timings; `--quick` is a smoke test;
+  `--profile` prints where ours spends its time (cProfile, calling thread and the threads
+  the call starts).
+"""
+
+
+def _load_line(results: list[SizeResult]) -> str:
+    parts = [
+        f"{size_text(r.nbytes)} {phase} {cores:.2f}"
+        for r in results
+        for phase, cores in r.load.items()
+    ]
+    return "; ".join(parts) or "not measured"
+
+
+def render(
+    results: list[SizeResult],
+    info: dict[str, str],
+    elapsed: float,
+    *,
+    markdown: bool,
+    command: str = "",
+) -> str:
+    """The whole report; ``markdown`` adds the title, the machine and the method."""
+    parts: list[str] = []
+    load = _load_line(results)
+    if markdown:
+        how = f"`{command}`" + (" (`make bench`)" if command.endswith(" --write-docs") else "")
+        parts += [
+            "# Benchmarks: save and restore",
+            "",
+            f"Generated by {how} in {elapsed / 60:.1f} minutes; do not edit by hand. The "
+            "library is being optimized, so these are the numbers of the code at the revision "
+            "below; rerun `make bench` to refresh them.",
+            "",
+            "## Machine",
+            "",
+            *[f"- {k}: {v}" for k, v in info.items()],
+            f"- other processes' CPU use meanwhile (average busy cores, of "
+            f"{info.get('cpu', '?').split(' ', 1)[0]}): {load}",
+            "",
+            "## Where we stand (issue 5 targets)",
+            "",
+            "Ratios are of medians. *missed by X%*: the ratio is X% above its limit (for "
+            "*>=* targets: X% short of it).",
+            "",
+        ]
+    else:
+        parts += ["Targets (issue 5):", ""]
+    parts += [targets_table(results), ""]
+    for r in results:
+        title = (
+            f"State of {size_text(r.nbytes)} ({r.ntensors} tensors), median of "
+            f"{r.repeats} run{'s' if r.repeats > 1 else ''}"
+        )
+        parts += [f"## {title}" if markdown else f"== {title}", "", size_tables(r), ""]
+    if markdown:
+        parts += [METHOD]
+    else:
+        parts += [f"other processes' CPU use meanwhile (busy cores): {load}"]
+        parts += [f"total {elapsed:.0f} s"]
+    return "\n".join(parts).rstrip() + "\n"

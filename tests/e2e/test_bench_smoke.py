@@ -1,0 +1,23 @@
+"""The benchmark script still runs (a tiny state, one run): it must not rot. No timings
+are asserted; the tables just have to be printed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+BENCH = Path(__file__).parents[2] / "benchmarks" / "save_restore.py"
+
+
+def test_benchmark_quick_smoke(tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--tmpdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "(d) ours: save (sync, verified)" in done.stdout
+    assert "(d) ours: restore, fresh objects" in done.stdout
