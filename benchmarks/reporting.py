@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from pathlib import Path
 from typing import Any
 
 from common import Measurement, table
@@ -364,6 +365,9 @@ def render(
     else:
         parts += ["Targets (issue 5):", ""]
     parts += [targets_table(results), ""]
+    analysis = Path(__file__).with_name("analysis.md")
+    if markdown and analysis.is_file():  # the hand-written why, kept beside the script
+        parts += [analysis.read_text(encoding="utf-8").rstrip(), ""]
     for r in results:
         title = (
             f"State of {size_text(r.nbytes)} ({r.ntensors} tensors), median of "

@@ -32,3 +32,16 @@ def test_fails_on_a_resume_bug(tmp_path, bug):
     assert result.first_difference.startswith(f"step {first},"), result.first_difference
     assert result.state_differences  # the final weights differ too
     assert "DIFFERENT" in str(result)
+
+
+def train_tiny(folder: str) -> None:
+    """The harness's callable form: an importable function run in a spawned process."""
+    import runpy
+
+    sys.argv = [SCRIPT, folder, "--steps", "30"]
+    runpy.run_path(SCRIPT, run_name="__main__")
+
+
+def test_callable_form(tmp_path):
+    result = assert_resumes_exactly(train_tiny, stop_at=11, workdir=tmp_path, plot=False)
+    assert result.compared_steps == 19 and result.passed
