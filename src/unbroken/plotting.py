@@ -20,7 +20,12 @@ def plot_series(
     ``marks`` adds labelled vertical lines (e.g. ``{"stopped": 25}``); each run's own
     resume points are marked too.
     """
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(
+            "plots need matplotlib: pip install 'unbroken[plot]' (or pass plot=False)"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
