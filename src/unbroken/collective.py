@@ -47,11 +47,6 @@ def world_size() -> int:
     return dist.get_world_size() if active() else 1
 
 
-def barrier() -> None:
-    if active():
-        dist.barrier(group=group())
-
-
 def gather_all(value: Any) -> list[Any]:
     """Every rank's ``value``, in rank order, on every rank."""
     if not active():

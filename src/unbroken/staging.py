@@ -17,9 +17,6 @@ class StagingBuffers:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
     def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
