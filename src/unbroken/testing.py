@@ -150,6 +150,12 @@ def compare(straight: Path, resumed: Path, *, stop_at: int, exact: bool = True,
     state, rng_differs = _compare_final_state(straight, resumed, exact)
     notes = [f"final RNG state differs ({', '.join(rng_differs)}): a generator the script "
              "does not seed; harmless if it is never drawn from"] if rng_differs else []  # fmt: skip
+    if not exact:
+        # Another world size trains differently after the stop: the final state is
+        # reported, not required to match. The restore itself was verified exactly by the
+        # library in the resumed run (it fails otherwise).
+        notes.extend(f"final state (not compared across world sizes): {d}" for d in state[:3])
+        state = []
     return ResumeTestResult(
         passed=first is None and not state,
         exact=exact,

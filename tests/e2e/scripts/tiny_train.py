@@ -6,6 +6,7 @@ TINY_BUG=reseed     reseeds the RNGs after restore (lost RNG state)
 TINY_BUG=data       rebuilds the dataloader after restore (lost data position)
 TINY_BUG=optimizer  rebuilds the optimizer after restore (lost moments: the F3 bug)
 TINY_SLEEP=S        sleeps S seconds per step (to deliver signals mid-run)
+TINY_RESHARD=1      restores with reset={"rng", "dataloader"} (for another world size)
 
 Under torchrun (WORLD_SIZE set) it trains with DDP on gloo, each rank on its own shard of
 the data.
@@ -65,7 +66,10 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
     loader = build_loader(rank, world)
     ckpt = ub.Checkpointer(args.dir, model=model, optimizer=opt, scheduler=sched, dataloader=loader)
-    start = ckpt.restore().step
+    # Resuming on another world size: per-rank state (RNG, data position) cannot be
+    # mapped, so it starts fresh on purpose; model and optimizer are resharded exactly.
+    reset = {"rng", "dataloader"} if os.environ.get("TINY_RESHARD") else None
+    start = ckpt.restore(reset=reset).step
     if start and bug == "reseed":
         torch.manual_seed(0)
     if start and bug == "data":
