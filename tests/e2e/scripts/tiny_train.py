@@ -56,6 +56,10 @@ def main() -> None:
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
 
+    # One intra-op thread: a fixed reduction order whatever the machine's load (an
+    # intermittent 1e-4 difference right after a resume was seen under full-suite load
+    # with 2 threads; under investigation, see the session note).
+    torch.set_num_threads(1)
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
