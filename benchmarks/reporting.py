@@ -309,7 +309,7 @@ METHOD = """\
 - 2-rank FSDP2: `fsdp_worker.py` under `torch.distributed.run --nproc_per_node 2`, gloo,
   `init_device_mesh("cpu", (2,))`, `fully_shard` per layer and at the root, one thread per
   rank; times between barriers on rank 0, peak extra RSS per rank.
-- Verification share: `unbroken.fingerprint.fingerprint` and xxh3-128 over every tensor
+- Verification share: `unbroken.format.fingerprint.fingerprint` and xxh3-128 over every tensor
   once (the logic of `verification_cost.py`).
 - Caveats: on a shared machine, other processes' CPU use slows the CPU-heavy paths
   (checksums, fingerprints, torch.save's CRC32) and torch ops run with 2 intra-op threads

@@ -2,7 +2,7 @@
 
     python benchmarks/verification_cost.py [--mb 300] [--repeats 5]
 
-A save computes one fingerprint (``unbroken.fingerprint``) and one xxh3-128 checksum of
+A save computes one fingerprint (``unbroken.format.fingerprint``) and one xxh3-128 checksum of
 every tensor; a restore checks every chunk's checksum and verifies the installed values.
 :func:`verification_times` times both over a whole state; ``save_restore.py`` reuses
 :func:`fingerprint_all` and :func:`checksum_all`.
@@ -28,7 +28,7 @@ from common import (
     state_tensors,
     table,
 )
-from unbroken import fingerprint
+from unbroken.format import fingerprint
 
 
 def _raw(t: torch.Tensor) -> memoryview:

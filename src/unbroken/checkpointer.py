@@ -13,16 +13,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import collective, probe, restoring, saving
+from .core import collective, restoring, saving
+from .core.staging import StagingBuffers
 from .errors import CheckpointError, CorruptCheckpointError
-from .metrics import MetricLog
-from .monitor import HealthCheck
+from .format.storage import CheckpointDir
+from .live import probe
+from .live.rng import RNGState
+from .live.state import Component, ModelComponent, OptimizerComponent, StatefulComponent
+from .live.stopping import StopPolicy
+from .proof.metrics import MetricLog
+from .proof.monitor import HealthCheck
 from .report import RestoreReport
-from .rng import RNGState
-from .staging import StagingBuffers
-from .state import Component, ModelComponent, OptimizerComponent, StatefulComponent
-from .stopping import StopPolicy
-from .storage import CheckpointDir
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class Checkpointer:
         ]
         self._metrics = MetricLog()
         self._health: HealthCheck | None = None
-        self._stop = StopPolicy()
+        self._stop = StopPolicy(agree=collective.any_rank)
         self._closed = False
         self._async = bool(async_save)
         self._buffers = StagingBuffers() if self._async else None
@@ -245,7 +246,7 @@ class Checkpointer:
         """Record scalar metrics of ``step`` (floats or 0-d tensors).
 
         The last steps go into each checkpoint's manifest, the whole series into
-        ``metrics.jsonl`` (see :func:`unbroken.metrics.read_series`); after a resume they
+        ``metrics.jsonl`` (see :func:`unbroken.proof.metrics.read_series`); after a resume they
         feed the health check, whose findings are logged and kept in :attr:`warnings`.
         """
         self._metrics.track(step, metrics)

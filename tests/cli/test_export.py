@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import unbroken as ub
 from conftest import Problem
-from unbroken import tensor_reader
+from unbroken.format import tensor_reader
 
 from .conftest import run_cli, run_json
 

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from unbroken import manifest
+from unbroken.format import manifest
 
 from .conftest import run_cli, run_json
 

@@ -11,7 +11,7 @@ import torch
 
 import unbroken as ub
 from conftest import Problem, assert_same_training_state
-from unbroken import shards
+from unbroken.format import shards
 
 
 def test_changes_after_save_returns_do_not_leak_into_the_checkpoint(ckpt_dir, monkeypatch):

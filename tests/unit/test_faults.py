@@ -14,7 +14,7 @@ import torch
 
 import unbroken as ub
 from conftest import Problem
-from unbroken import manifest, shards
+from unbroken.format import manifest, shards
 
 
 def _saved(ckpt_dir, steps=(1,)) -> Problem:

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from unbroken import fingerprint as fp
+from unbroken.format import fingerprint as fp
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
           torch.int8, torch.uint8, torch.bool, torch.complex64]  # fmt: skip

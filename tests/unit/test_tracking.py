@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import Problem
-from unbroken import monitor
-from unbroken.metrics import read_series
+from unbroken.proof import monitor
+from unbroken.proof.metrics import read_series
 
 
 def _run(ckpt_dir, upto, *, save_at=(), seed=0, restore_step=None, close=True):

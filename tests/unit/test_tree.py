@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken import tree
+from unbroken.format import tree
 
 
 def test_round_trip_keeps_types_and_values():

@@ -9,9 +9,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .. import manifest
-from ..comparison import DiffReport, TensorDiff, diff
-from ..inspection import locate
+from ..format import manifest
+from ..tools.comparison import DiffReport, TensorDiff, diff
+from ..tools.inspection import locate
 from ._common import EXIT_FAILED, JsonOption, emit_json, guard, progress, stdout
 
 HELP = """Compare two checkpoints tensor by tensor, across any world sizes.

@@ -9,9 +9,9 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from .. import manifest
-from ..exporting import EXPORT_DTYPES, export_safetensors
-from ..inspection import locate, model_fqns
+from ..format import manifest
+from ..tools.exporting import EXPORT_DTYPES, export_safetensors
+from ..tools.inspection import locate, model_fqns
 from ._common import JsonOption, StepOption, emit_json, guard, human_bytes, progress, stdout
 
 HELP = """Write a checkpoint's model weights as one consolidated .safetensors file.

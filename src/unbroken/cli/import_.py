@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 
 from ..errors import CheckpointError
-from ..importing import build, import_checkpoint, load_factory
+from ..tools.importing import build, import_checkpoint, load_factory
 from ._common import JsonOption, emit_json, guard, stdout, usage_error
 
 HELP = """Convert a checkpoint written by other code into an unbroken checkpoint.

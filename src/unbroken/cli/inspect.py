@@ -10,9 +10,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .. import manifest
-from ..coverage import optimizer_coverage
-from ..inspection import (
+from ..format import manifest
+from ..format.tensor_reader import TensorReader
+from ..tools.coverage import optimizer_coverage
+from ..tools.inspection import (
     components_of,
     is_step_folder,
     locate,
@@ -20,7 +21,6 @@ from ..inspection import (
     summarize,
     tensors_of,
 )
-from ..tensor_reader import TensorReader
 from ._common import (
     EXIT_FAILED,
     JsonOption,

@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 
 from ..errors import CheckpointNotFoundError
-from ..metrics import FILE, read_series
-from ..plotting import plot_series
+from ..proof.metrics import FILE, read_series
+from ..proof.plotting import plot_series
 from ._common import guard, stdout
 
 HELP = """Plot a run's tracked metrics to a PNG, resume points marked.

@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ..audit import AuditReport, audit, total_bytes
-from ..inspection import locate, step_folders
+from ..tools.audit import AuditReport, audit, total_bytes
+from ..tools.inspection import locate, step_folders
 from ._common import (
     EXIT_FAILED,
     JsonOption,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import unbroken as ub
-from unbroken import shards
+from unbroken.format import shards
 
 original = shards.ShardWriter.write_data
 

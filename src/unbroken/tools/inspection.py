@@ -12,10 +12,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from . import manifest, tree
-from .errors import CheckpointError, CheckpointNotFoundError
-from .storage import MANIFEST, CheckpointDir
-from .tensor_reader import tensor_nbytes
+from ..errors import CheckpointError, CheckpointNotFoundError
+from ..format import manifest, tree
+from ..format.storage import MANIFEST, CheckpointDir
+from ..format.tensor_reader import tensor_nbytes
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 

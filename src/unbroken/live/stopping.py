@@ -6,13 +6,9 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
-
-import torch
-import torch.distributed as dist
-
-from . import collective
 
 logger = logging.getLogger(__name__)
 
@@ -23,11 +19,13 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class StopPolicy:
     """Catches SIGTERM/SIGUSR1 (main thread only) and answers ``should_stop(step)``.
 
-    The answer for a step is computed once, as the maximum over ranks, so every rank
-    sees the same value even when the signal reached them at different instants.
+    The answer for a step is computed once and passed through ``agree`` (in a process
+    group: True on every rank when True on any), so every rank sees the same value even
+    when the signal reached them at different instants.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, agree: Callable[[bool], bool] = bool) -> None:
+        self._agree = agree
         self.signalled: int | None = None
         self._previous: dict[int, Any] = {}
         self._answers: dict[int, bool] = {}
@@ -44,15 +42,9 @@ class StopPolicy:
     def should_stop(self, step: int) -> bool:
         if step in self._answers:
             return self._answers[step]
-        local = self.signalled is not None or _stop_at() == step
-        if collective.active():
-            flag = torch.tensor([int(local)], dtype=torch.int32)
-            if dist.get_backend() == "nccl":
-                flag = flag.cuda()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            local = bool(flag.item())
-        self._answers = {step: local}
-        return local
+        answer = self._agree(self.signalled is not None or _stop_at() == step)
+        self._answers = {step: answer}
+        return answer
 
     def close(self) -> None:
         for sig, handler in self._previous.items():

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from . import collective, fingerprint
-from .errors import CheckpointError, StateMismatchError
+from ..errors import CheckpointError, StateMismatchError
+from ..format import fingerprint
+from . import collective
 
 
 def local_partial(t: torch.Tensor) -> int | None:

@@ -17,7 +17,7 @@ from typing import IO, Any
 import torch
 import xxhash
 
-from .errors import CheckpointError, CorruptCheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from .manifest import DTYPES
 
 
@@ -29,7 +29,7 @@ class TensorReader:
 
     Args:
         folder: the checkpoint's step folder.
-        doc: its manifest, as returned by ``unbroken.manifest.read(folder)``.
+        doc: its manifest, as returned by ``unbroken.format.manifest.read(folder)``.
         on_bytes: called with the byte count of each chunk read (for progress bars).
 
     Example::

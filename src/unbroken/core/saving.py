@@ -20,12 +20,14 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.tensor import DTensor
 
-from . import __version__, collective, fingerprint, manifest, tree, verify
-from .errors import CheckpointError
-from .shards import ShardWriter, quiet_single_process
+from .._version import __version__
+from ..errors import CheckpointError
+from ..format import fingerprint, manifest, tree
+from ..format.shards import ShardWriter, quiet_single_process
+from ..format.storage import CheckpointDir
+from ..live.state import Component, ModelComponent, device_kind
+from . import collective, verify
 from .staging import StagingBuffers
-from .state import Component, ModelComponent, device_kind
-from .storage import CheckpointDir
 
 logger = logging.getLogger(__name__)
 

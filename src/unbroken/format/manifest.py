@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import xxhash
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 
 FORMAT = "unbroken-checkpoint"
 FORMAT_VERSION = 1

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 from .inspection import model_fqns
 
 _TAG = "__ub__"
@@ -82,7 +82,7 @@ def optimizer_coverage(
     """Coverage of the model by the saved optimizer state; None without an optimizer.
 
     Args:
-        doc: a manifest read with ``unbroken.manifest.read``.
+        doc: a manifest read with ``unbroken.format.manifest.read``.
         read: reads a tensor by key, to report each parameter's ``step`` value.
     """
     comp = doc["components"].get("optimizer")

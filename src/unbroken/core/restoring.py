@@ -13,18 +13,20 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from . import collective, manifest, probe, tree, verify
-from .errors import (
+from ..errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     StateMismatchError,
 )
-from .report import RestoreReport
+from ..format import manifest, tree
+from ..format.shards import ShardReader, quiet_single_process
+from ..format.storage import MANIFEST, CheckpointDir
+from ..live import probe
+from ..live.state import Component, ModelComponent, OptimizerComponent, live_tensors
+from ..report import RestoreReport
+from . import collective, verify
 from .saving import component_prefix, unwrap
-from .shards import ShardReader, quiet_single_process
-from .state import Component, ModelComponent, OptimizerComponent, live_tensors
-from .storage import MANIFEST, CheckpointDir
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 

@@ -22,12 +22,13 @@ from typing import Any
 
 import torch
 
-from . import __version__, fingerprint, manifest, tree
-from .errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
+from .._version import __version__
+from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
+from ..format import fingerprint, manifest, tree
+from ..format.manifest import DTYPES
+from ..format.shards import tensor_bytes
+from ..format.tensor_reader import TensorReader
 from .inspection import model_fqns
-from .manifest import DTYPES
-from .shards import tensor_bytes
-from .tensor_reader import TensorReader
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

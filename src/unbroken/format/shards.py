@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .errors import CorruptCheckpointError
+from ..errors import CorruptCheckpointError
 
 
 @dataclasses.dataclass(frozen=True)

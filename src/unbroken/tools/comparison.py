@@ -19,9 +19,9 @@ from typing import Any, Literal
 
 import torch
 
-from . import manifest
+from ..format import manifest
+from ..format.tensor_reader import TensorReader
 from .inspection import component_skeletons, tensor_components
-from .tensor_reader import TensorReader
 
 Status = Literal["equal", "values", "dtype", "shape", "only_a", "only_b"]
 _BLOCK = 1 << 20  # elements compared at once, to bound the float64 working copies

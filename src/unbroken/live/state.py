@@ -21,9 +21,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from . import tree
-from .errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
-from .manifest import DTYPES
+from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
+from ..format import tree
+from ..format.manifest import DTYPES
 
 _MAX_LISTED = 5
 

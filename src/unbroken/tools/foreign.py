@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 
 _KNOWN_TOP = ("model", "optimizer", "scheduler", "step")
 

@@ -19,12 +19,12 @@ from typing import Any
 
 import xxhash
 
-from . import fingerprint, manifest, tree
+from ..errors import CheckpointError
+from ..format import fingerprint, manifest, tree
+from ..format.storage import MANIFEST
+from ..format.tensor_reader import TensorReader
 from .coverage import optimizer_coverage
-from .errors import CheckpointError
 from .inspection import component_skeletons
-from .storage import MANIFEST
-from .tensor_reader import TensorReader
 
 
 @dataclasses.dataclass

@@ -1,6 +1,6 @@
 """Bring a checkpoint written by other code into an ordinary unbroken checkpoint.
 
-The foreign state (a ``torch.save`` file or a DCP directory, see :mod:`unbroken.foreign`)
+The foreign state (a ``torch.save`` file or a DCP directory, see :mod:`unbroken.tools.foreign`)
 is loaded into live objects built by a factory, then saved with :class:`Checkpointer`,
 so the result is exactly what a training run would have saved. Nothing is dropped:
 every model tensor, optimizer entry and top-level entry lands somewhere or is named in
@@ -27,11 +27,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
+from ..checkpointer import Checkpointer
+from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
+from ..format.storage import CheckpointDir
+from ..live.state import ModelComponent, OptimizerComponent
 from . import foreign, optimizer_mapping
-from .checkpointer import Checkpointer
-from .errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
-from .state import ModelComponent, OptimizerComponent
-from .storage import CheckpointDir
 
 Factory = Callable[[], "nn.Module | tuple[nn.Module, torch.optim.Optimizer]"]
 

@@ -11,9 +11,10 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 T = TypeVar("T")
 _local = threading.local()
@@ -45,6 +46,17 @@ def rank() -> int:
 
 def world_size() -> int:
     return dist.get_world_size() if active() else 1
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is True on at least one (the default group)."""
+    if not active():
+        return flag
+    box = torch.tensor([int(flag)], dtype=torch.int32)
+    if dist.get_backend() == "nccl":
+        box = box.cuda()
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return bool(box.item())
 
 
 def gather_all(value: Any) -> list[Any]:
