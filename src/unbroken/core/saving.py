@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from .._version import __version__
 from ..errors import CheckpointError
-from ..format import fingerprint, manifest, tree
+from ..format import fingerprint, layout, manifest, tree
 from ..format.shards import ShardWriter, quiet_single_process
 from ..format.storage import CheckpointDir
 from ..live.state import Component, ModelComponent, device_kind
@@ -48,7 +48,7 @@ class Staged:
     request: SaveRequest
     skeletons: dict[str, Any]
     flat: dict[str, torch.Tensor]
-    devices: dict[str, str]
+    info: dict[str, dict[str, Any]]  # key -> manifest fields known at capture (device, stride)
 
 
 def component_prefix(component: Component, rank: int) -> str:
@@ -67,14 +67,23 @@ def stage(request: SaveRequest, buffers: StagingBuffers | None = None) -> Staged
             skeletons[c.name] = tree.encode(c.capture(), component_prefix(c, rank), flat)
         for t in flat.values():
             manifest.dtype_name(t.dtype)  # refuse unsupported dtypes before writing anything
-        devices = {k: device_kind(t) for k, t in flat.items()}
+        info = {k: _capture_info(t) for k, t in flat.items()}
         if buffers is not None:
             flat = buffers.copy(flat)
-        return Staged(request, skeletons, flat, devices)
+        return Staged(request, skeletons, flat, info)
 
     staged = collective.agree(capture)
     assert staged is not None
     return staged
+
+
+def _capture_info(t: torch.Tensor) -> dict[str, Any]:
+    info: dict[str, Any] = {"device": device_kind(t)}
+    if not isinstance(t, DTensor):
+        stride = layout.recorded_stride(t)
+        if stride is not None:
+            info["stride"] = stride
+    return info
 
 
 def write(ckdir: CheckpointDir, staged: Staged) -> Path:
@@ -135,7 +144,7 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
             raise unwrap(exc, f"saving step {request.step} into {partial}") from None
         local = {
             "partials": partials.result(),
-            "info": {k: {"device": d} for k, d in staged.devices.items()},
+            "info": staged.info,
             "skeletons": {
                 c.name: staged.skeletons[c.name] for c in request.components if c.per_rank
             },
@@ -179,6 +188,8 @@ def _manifest_body(
             "fingerprint": prints[key],
             "chunks": chunks,
         }
+        if "stride" in info[key]:
+            tensors[key]["stride"] = info[key]["stride"]
     components: dict[str, Any] = {}
     for c in request.components:
         entry: dict[str, Any] = {"kind": c.kind, "per_rank": c.per_rank}

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import CheckpointError, StateMismatchError
-from ..format import fingerprint
+from ..format import fingerprint, layout
 from . import collective
 
 
@@ -129,6 +129,13 @@ def compare_installed(
             problems.append(f"{key}: saved as {entry['dtype']}, live is {dtype} after restore")
         elif list(t.shape) != entry["shape"]:
             problems.append(f"{key}: saved shape {entry['shape']}, live {list(t.shape)}")
+        elif (
+            "stride" in entry and not isinstance(t, DTensor) and list(t.stride()) != entry["stride"]
+        ):
+            problems.append(
+                f"{key}: saved with {layout.describe(entry['stride'], entry['shape'])}, live "
+                f"has {layout.describe(t.stride(), entry['shape'])} after restore"
+            )
         elif t is not targets[key] and not torch.equal(_bits(t), _bits(targets[key])):
             problems.append(f"{key}: the live value differs from the loaded one after restore")
     return problems

@@ -19,6 +19,7 @@ import torch
 import xxhash
 
 from ..errors import CorruptCheckpointError
+from . import layout
 
 FORMAT = "unbroken-checkpoint"
 FORMAT_VERSION = 1
@@ -148,3 +149,5 @@ def _validate_tensor(key: str, entry: Any, files: dict, bad) -> None:
         covered += math.prod(sizes)
     if covered != math.prod(shape):
         raise bad(f"tensor {key!r}: chunks cover {covered} of {math.prod(shape)} elements")
+    if "stride" in entry and not layout.valid_stride(shape, entry["stride"]):
+        raise bad(f"tensor {key!r}: stride {entry['stride']!r} does not lay out shape {shape}")

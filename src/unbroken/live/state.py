@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
-from ..format import tree
+from ..format import layout, tree
 from ..format.manifest import DTYPES
 
 _MAX_LISTED = 5
@@ -40,8 +40,9 @@ def device_kind(t: torch.Tensor) -> str:
 
 
 def empty_target(entry: dict[str, Any], like: torch.Tensor | None) -> torch.Tensor:
-    """An uninitialized tensor to load a saved tensor into: the saved shape and dtype,
-    placed (device, sharding) like the live tensor ``like`` where shapes agree."""
+    """An uninitialized tensor to load a saved tensor into: the saved shape, dtype and
+    memory layout (strides), placed (device, sharding) like the live tensor ``like``
+    where shapes agree."""
     shape, dtype = entry["shape"], DTYPES[entry["dtype"]]
     if like is not None and isinstance(like, DTensor) and list(like.shape) == shape:
         return torch.empty_like(like, dtype=dtype)
@@ -51,6 +52,8 @@ def empty_target(entry: dict[str, Any], like: torch.Tensor | None) -> torch.Tens
         device = (like.to_local() if isinstance(like, DTensor) else like).device
     else:
         device = torch.device(entry["device"], torch.accelerator.current_device_index())
+    if "stride" in entry:
+        return torch.empty_strided(shape, entry["stride"], dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
@@ -147,6 +150,21 @@ class ModelComponent(Component):
         if wrong:
             raise StateMismatchError(
                 "the architecture changed since the save: " + "; ".join(wrong[:_MAX_LISTED])
+            )
+        relaid = [
+            f"{key}: saved with {layout.describe(entry['stride'], entry['shape'])}, live has "
+            f"{layout.describe(live[key].stride(), entry['shape'])}"
+            for key, entry in saved_keys.items()
+            if "stride" in entry
+            and not isinstance(live[key], DTensor)
+            and list(live[key].stride()) != entry["stride"]
+        ]
+        if relaid:
+            raise StateMismatchError(
+                "the live model's memory layout differs from the saved one, so training would "
+                "not continue bit for bit: " + "; ".join(relaid[:_MAX_LISTED]) + ". Lay the "
+                "model out as it was at save (e.g. model.to(memory_format=torch.channels_last)) "
+                "before restore()"
             )
         return {key: empty_target(entry, live[key]) for key, entry in saved_keys.items()}
 
