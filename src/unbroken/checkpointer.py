@@ -18,8 +18,9 @@ from .core.staging import StagingBuffers
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.storage import CheckpointDir
 from .live import probe
+from .live.optimizer import OptimizerComponent
 from .live.rng import RNGState
-from .live.state import Component, ModelComponent, OptimizerComponent, StatefulComponent
+from .live.state import Component, ModelComponent, StatefulComponent
 from .live.stopping import StopPolicy
 from .proof.metrics import MetricLog
 from .proof.monitor import HealthCheck

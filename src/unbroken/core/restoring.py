@@ -23,7 +23,8 @@ from ..format import manifest, tree
 from ..format.shards import ShardReader, quiet_single_process
 from ..format.storage import MANIFEST, CheckpointDir
 from ..live import probe
-from ..live.state import Component, ModelComponent, OptimizerComponent, live_tensors
+from ..live.optimizer import OptimizerComponent
+from ..live.state import Component, ModelComponent, live_tensors
 from ..report import RestoreReport
 from . import collective, verify
 from .saving import component_prefix, unwrap

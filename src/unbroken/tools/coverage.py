@@ -15,14 +15,10 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..live.optimizer import PARAM_SHAPED
 from .inspection import model_fqns
 
 _TAG = "__ub__"
-# State entries that always have their parameter's shape (torch's built-in optimizers).
-PARAM_SHAPED = frozenset(
-    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
-     "sum", "ax", "prev", "mu_product_buffer"}
-)  # fmt: skip
 _FLOATING = {"float64", "float32", "float16", "bfloat16", "complex64", "complex128"}
 
 

@@ -30,7 +30,8 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
 from ..format.storage import CheckpointDir
-from ..live.state import ModelComponent, OptimizerComponent
+from ..live.optimizer import OptimizerComponent
+from ..live.state import ModelComponent
 from . import foreign, optimizer_mapping
 
 Factory = Callable[[], "nn.Module | tuple[nn.Module, torch.optim.Optimizer]"]

@@ -17,8 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import IncompleteCheckpointError, StateMismatchError
-from ..live.state import group_fqns
-from .coverage import PARAM_SHAPED
+from ..live.optimizer import PARAM_SHAPED, group_fqns
 
 ADAMW_STATE = frozenset({"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
 ADAMW_HYPER = frozenset({"lr", "betas", "eps", "weight_decay"})
