@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
@@ -22,7 +23,7 @@ from ..errors import (
 from ..format import manifest, tree
 from ..format.shards import ShardReader, quiet_single_process
 from ..format.storage import MANIFEST, CheckpointDir
-from ..live import probe
+from ..live import probe, snapshot
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, live_tensors
 from ..report import RestoreReport
@@ -150,17 +151,28 @@ def restore(
         problems = [f"{folder}: {p}" for p in problems]
     collective.agree(lambda: _raise_corrupt(problems))
 
-    def install() -> None:
-        for c in active:
-            c.install(tree.decode(skeletons[c.name], targets))
+    states = {c.name: tree.decode(skeletons[c.name], targets) for c in active}
+    undo = [snapshot.take(c) for c in active]  # nothing live has changed up to here
+    touched: list[int] = []  # indices into active whose install began
+    try:
 
-    collective.agree(install)
-    for c in active:
-        if c.verify_live:
-            _verify_live(c, skeletons[c.name], saved_keys[c.name], targets, rank)
-    if doc.get("probe") and probe_fn is not None:
-        _check_probe(doc["probe"], probe_fn, model, rank, saved_world, world)
-    elif probe_fn is not None:
+        def install() -> None:
+            for i, c in enumerate(active):
+                touched.append(i)
+                c.install(states[c.name])
+            touched.append(-1)  # every install finished
+
+        collective.agree(install)
+        for c in active:
+            if c.verify_live:
+                _verify_live(c, skeletons[c.name], saved_keys[c.name], targets, rank)
+        if doc.get("probe") and probe_fn is not None:
+            _check_probe(doc["probe"], probe_fn, model, rank, saved_world, world)
+    except BaseException as exc:
+        raising = None if touched[-1:] == [-1] or not touched else active[touched[-1]].name
+        _roll_back([(active[i], undo[i]) for i in touched if i >= 0], raising, exc)
+        raise
+    if probe_fn is not None and not doc.get("probe"):
         warnings.append("a probe was given but the checkpoint recorded none; not checked")
 
     if rank == 0:
@@ -178,6 +190,37 @@ def restore(
         resharded=saved_world != world,
         warnings=warnings,
     )
+
+
+def _roll_back(
+    touched: list[tuple[Component, snapshot.Undo]], raising: str | None, exc: BaseException
+) -> None:
+    """Put every component whose install began back as it was; the caller then re-raises
+    ``exc``, which now says so. ``raising`` names the component whose own install raised,
+    if any: putting it back is best effort. Raises if another cannot be put back."""
+    failed = {}
+    for c, put_back in reversed(touched):
+        try:
+            put_back()
+        except Exception as err:
+            failed[c.name] = f"{type(err).__name__}: {err}"
+    lost = [f"{name!r} ({why})" for name, why in failed.items() if name != raising]
+    if lost:
+        raise CheckpointError(
+            f"restore failed ({type(exc).__name__}: {exc}) after it began installing state, "
+            f"and {', '.join(lost)} could not be put back as it was: rebuild those objects "
+            "before training"
+        ) from exc
+    note = "nothing was changed: every live object was put back as it was before restore()"
+    if raising in failed:
+        note += (
+            f", except {raising!r}, whose load_state_dict raised and whose previous state "
+            f"could not be loaded back either ({failed[raising]}): check it"
+        )
+    if isinstance(exc, CheckpointError) and exc.args and isinstance(exc.args[0], str):
+        exc.args = (f"{exc.args[0]}\n({note})", *exc.args[1:])
+    else:
+        exc.add_note(note)
 
 
 def _raise_corrupt(problems: list[str]) -> None:

@@ -1,0 +1,74 @@
+"""Undo for a restore: what each live object held before anything was installed into it.
+
+A restore is all or nothing. Everything is read and verified before the first live
+object changes; if installing or the checks after it fail midway, each component is put
+back with the undo taken here. Costs: a model's tensors are cloned on their own device
+(one extra copy of the weights while the restore runs); an optimizer keeps references to
+its previous state (``load_state_dict`` replaces state objects, it does not write into
+them); other components' ``state_dict()`` is deep-copied.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .optimizer import OptimizerComponent
+from .state import Component, ModelComponent
+
+Undo = Callable[[], None]
+
+
+def take(component: Component) -> Undo:
+    """An undo for ``component``; it raises if the previous state cannot be put back."""
+    if isinstance(component, ModelComponent):
+        return _model(component)
+    if isinstance(component, OptimizerComponent):
+        return _optimizer(component)
+    return _stateful(component)
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, DTensor | torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    return value
+
+
+def _model(component: ModelComponent) -> Undo:
+    before = _clone(component.capture())
+    return lambda: component.install(before)
+
+
+def _optimizer(component: OptimizerComponent) -> Undo:
+    saved = [
+        (opt, opt.state, opt.param_groups, opt.state_dict())
+        for opt in component.optimizers.values()
+    ]
+
+    def undo() -> None:
+        for opt, state, groups, state_dict in saved:
+            # Through load_state_dict first, so wrappers put back their own attributes;
+            # then the very objects the optimizer held (torch casts on load).
+            opt.load_state_dict(state_dict)
+            opt.state, opt.param_groups = state, groups
+
+    return undo
+
+
+def _stateful(component: Component) -> Undo:
+    try:
+        before = copy.deepcopy(component.capture())
+    except Exception as exc:
+        why = f"{type(exc).__name__}: {exc}"
+
+        def cannot() -> None:
+            raise RuntimeError(f"its state_dict() could not be copied beforehand ({why})")
+
+        return cannot
+    return lambda: component.install(before)
