@@ -8,9 +8,11 @@ import random
 import warnings
 
 import numpy as np
+import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+import unbroken as ub
 from conftest import Problem, assert_identical, assert_same_training_state
 
 
@@ -176,3 +178,27 @@ def test_multisteplr_and_container_state_resume_exactly(ckpt_dir):
     assert_identical(got, expected, "losses and learning rates")
     assert_identical(book2.state_dict(), book.state_dict(), "book after the resume")
     assert_same_training_state(straight, resumed)
+
+
+class IntToFloatSGD(torch.optim.SGD):
+    """An SGD whose load_state_dict silently turns the int hyperparameter momentum=0 into
+    0.0: equal in Python (0 == 0.0), yet not the state that was saved."""
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            group["momentum"] = float(group["momentum"])
+
+
+def test_verification_catches_a_changed_scalar_type_in_non_tensor_state(ckpt_dir):
+    """Post-restore verification compares non-tensor state exactly: an install that turns
+    an int hyperparameter into a float is a StateMismatchError naming where."""
+    model = torch.nn.Linear(2, 2)
+    opt = IntToFloatSGD(model.parameters(), lr=0.1, momentum=0)
+    ub.Checkpointer(ckpt_dir, model=model, optimizer=opt).save(1)
+    fresh = torch.nn.Linear(2, 2)
+    fresh_ckpt = ub.Checkpointer(
+        ckpt_dir, model=fresh, optimizer=IntToFloatSGD(fresh.parameters(), lr=0.1, momentum=0)
+    )
+    with pytest.raises(ub.StateMismatchError, match=r"optimizer/param_groups/0/momentum"):
+        fresh_ckpt.restore()

@@ -178,3 +178,28 @@ def test_skeletons_written_before_container_tags_decode_as_before(skeleton, expe
     """Back-compat guard: every tag format_version 1 wrote before the container tags
     decodes to the same value and type as it always did."""
     assert_identical(tree.decode(skeleton, {}), expected)
+
+
+def _items(*pairs):
+    return {"__ub__": "dict", "items": [list(p) for p in pairs]}
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "where"),
+    [
+        ({"x": 1}, {"x": 1.0}, "c/x"),
+        ({"x": [True]}, {"x": [1]}, "c/x/0"),
+        ({"x": 0.0}, {"x": -0.0}, "c/x"),
+        ({"x": "1"}, {"x": 1}, "c/x"),
+        ({"x": _items((1, 0), (2, 0))}, {"x": _items((2, 0), (1, 0))}, "c/x/items/0/0"),
+        ({"x": [1, 2]}, {"x": [1]}, "c/x"),
+        ({"x": {"__ub__": "counter", "items": []}}, {"x": _items()}, "c/x/__ub__"),
+    ],
+    ids=["int vs float", "bool vs int", "0.0 vs -0.0", "str vs int", "key order", "length", "tag"],
+)
+def test_skeleton_difference_is_exact(a, b, where):
+    """Verification compares non-tensor state exactly: int vs float, bool vs int, the sign
+    of zero, the key order of tagged mappings, lengths and tags are differences, named by
+    path; a skeleton and its JSON round trip have none."""
+    assert tree.difference(a, b, "c").startswith(where + " (")
+    assert tree.difference(a, json.loads(json.dumps(a)), "c") is None

@@ -211,6 +211,43 @@ def _decode_mapping(skeleton: dict, tag: str, tensors: Mapping[str, torch.Tensor
     return out
 
 
+def difference(saved: Any, live: Any, path: str) -> str | None:
+    """Where two skeletons first differ (``path/...`` with both values), or None.
+
+    Exact where JSON is: ``bool``, ``int``, ``float`` and ``str`` are told apart, floats
+    compare by their bits (``0.0`` is not ``-0.0``), lists (and with them the items of
+    every tagged container) compare in order. The member order of a JSON object is not
+    compared: manifests written before the container tags sorted it.
+    """
+    if _json_kind(saved) is not _json_kind(live):
+        return f"{path} (saved {saved!r}, live {live!r})"
+    if isinstance(saved, dict):
+        if set(saved) != set(live):
+            return f"{path} (saved keys {sorted(saved, key=str)}, live {sorted(live, key=str)})"
+        for k in saved:
+            found = difference(saved[k], live[k], f"{path}/{k}")
+            if found is not None:
+                return found
+        return None
+    if isinstance(saved, list):
+        if len(saved) != len(live):
+            return f"{path} (saved {len(saved)} items, live {len(live)})"
+        for i, (x, y) in enumerate(zip(saved, live, strict=True)):
+            found = difference(x, y, f"{path}/{i}")
+            if found is not None:
+                return found
+        return None
+    same = saved.hex() == live.hex() if isinstance(saved, float) else saved == live
+    return None if same else f"{path} (saved {saved!r}, live {live!r})"
+
+
+def _json_kind(value: Any) -> type:
+    for kind in (bool, int, float, str, dict, list):
+        if isinstance(value, kind):
+            return kind
+    return type(value)
+
+
 def tensor_keys(skeleton: Any) -> list[str]:
     """Every tensor key referenced by a skeleton, in order."""
     found: list[str] = []
