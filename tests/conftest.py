@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -77,3 +79,30 @@ def assert_same_training_state(a: Problem, b: Problem) -> None:
         for k, v in oa["state"][i].items():
             w = ob["state"][i][k]
             assert v.dtype == w.dtype and torch.equal(v, w), (i, k)
+
+
+def assert_identical(a, b, where: str = "value") -> None:
+    """``a`` and ``b`` are the same value with the same type at every level: mapping key
+    order, ``defaultdict`` factories, tuple vs list, int vs float vs bool, float bits
+    (-0.0, NaN) and tensor/array dtypes included."""
+    assert type(a) is type(b), f"{where}: {type(a).__qualname__} vs {type(b).__qualname__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    elif isinstance(a, np.ndarray | np.generic):
+        assert a.dtype == b.dtype and np.shape(a) == np.shape(b), where
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f"{where}: {a!r} vs {b!r}"
+    elif isinstance(a, float):
+        same_nan = math.isnan(a) and math.isnan(b)
+        assert same_nan or a.hex() == b.hex(), f"{where}: {a!r} vs {b!r}"
+    elif isinstance(a, dict):
+        assert getattr(a, "default_factory", None) is getattr(b, "default_factory", None), where
+        assert len(a) == len(b), f"{where}: keys {list(a)} vs {list(b)}"
+        for i, ((ka, va), (kb, vb)) in enumerate(zip(a.items(), b.items(), strict=True)):
+            assert_identical(ka, kb, f"{where}: key #{i}")
+            assert_identical(va, vb, f"{where}[{ka!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), f"{where}: {a!r} vs {b!r}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"

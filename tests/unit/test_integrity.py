@@ -8,9 +8,10 @@ import pickle
 
 import pytest
 import torch
+import xxhash
 
 import unbroken as ub
-from conftest import Problem
+from conftest import Problem, assert_same_training_state
 
 
 def _two_saves(ckpt_dir, **kwargs) -> Problem:
@@ -134,6 +135,48 @@ def test_manifest_records_what_was_saved(ckpt_dir):
     assert len(entry["fingerprint"]) == 16
     assert set(doc["files"]) == {"rank_00000.bin"}
     assert doc["versions"]["torch"] == torch.__version__
+
+
+class _Ordered:
+    """An ``extra`` whose state's keys are out of sorted order."""
+
+    def __init__(self) -> None:
+        self.state = {"zeta": 1, "alpha": 2}
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, state):
+        self.state = state
+
+
+def test_manifest_keeps_state_key_order(ckpt_dir):
+    """A state's key order survives in the manifest (its JSON objects keep the state's
+    order, where earlier versions sorted them) and the restore gives it back."""
+    Problem().checkpointer(ckpt_dir, extra={"ordered": _Ordered()}).save(1)
+    path = ckpt_dir / "step_00000001" / "manifest.json"
+    doc = json.loads(path.read_text())
+    assert list(doc["components"]["ordered"]["state"]) == ["zeta", "alpha"]
+    restored = _Ordered()
+    Problem(seed=1).checkpointer(ckpt_dir, extra={"ordered": restored}).restore()
+    assert list(restored.state) == ["zeta", "alpha"]
+    assert list(doc) == sorted(doc)  # everything else is laid out as before
+    assert list(doc["tensors"]) == sorted(doc["tensors"])
+
+
+def test_manifest_written_with_sorted_keys_still_reads_and_restores(ckpt_dir):
+    """Back-compat guard: a manifest as earlier versions wrote it (every key sorted, the
+    checksum over the sorted JSON) passes its checksum, restores and verifies."""
+    saved = _two_saves(ckpt_dir)
+    path = ckpt_dir / "step_00000002" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc.pop("manifest_checksum")
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    doc["manifest_checksum"] = xxhash.xxh3_128_hexdigest(canonical.encode())
+    path.write_text(json.dumps(doc, indent=1, sort_keys=True, allow_nan=False))
+    fresh = Problem(seed=1)
+    assert fresh.checkpointer(ckpt_dir).restore().verified
+    assert_same_training_state(saved, fresh)
 
 
 def _tree_digest(root) -> dict[str, str]:

@@ -266,24 +266,13 @@ def _verify_live(
 ) -> None:
     live_skeleton, live = live_tensors(c, component_prefix(c, rank))
     problems = verify.compare_installed(keys, targets, live)
-    if not problems and live_skeleton != skeleton:
+    where = None if problems else tree.difference(skeleton, live_skeleton, c.name)
+    if where is not None:
         problems.append(
-            f"{c.name}: non-tensor state (hyperparameters, structure) differs from the saved "
-            f"one at {_first_difference(skeleton, live_skeleton, c.name)}"
+            f"{c.name}: non-tensor state (hyperparameters, structure, types) differs from "
+            f"the saved one at {where}"
         )
     collective.agree(lambda: verify.raise_problems(problems, repr(c.name)))
-
-
-def _first_difference(a: Any, b: Any, path: str) -> str:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b), key=str):
-            if a.get(k, ...) != b.get(k, ...):
-                return _first_difference(a.get(k), b.get(k), f"{path}/{k}")
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            if x != y:
-                return _first_difference(x, y, f"{path}/{i}")
-    return f"{path} (saved {a!r}, live {b!r})"
 
 
 def _check_probe(

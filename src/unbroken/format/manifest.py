@@ -44,6 +44,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def _digest(body: dict[str, Any]) -> str:
+    # Sorted throughout, as every version computed it: readers of any version agree on a
+    # manifest's checksum. (It does not cover the member order of state skeletons.)
     data = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False)
     return xxhash.xxh3_128_hexdigest(data.encode())
 
@@ -54,9 +56,38 @@ def write(directory: Path, body: dict[str, Any]) -> None:
     doc["manifest_checksum"] = _digest(doc)
     path = directory / "manifest.json"
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1, sort_keys=True, allow_nan=False)
+        json.dump(_layout(doc), f, indent=1, allow_nan=False)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _layout(doc: dict[str, Any]) -> dict[str, Any]:
+    """``doc`` with every object's keys sorted, as earlier versions wrote it, except inside
+    components' state skeletons: there the member order is the order of the state's
+    keys, which a restore gives back."""
+    out = _sorted({k: v for k, v in doc.items() if k != "components"})
+    out["components"] = {n: _component(doc["components"][n]) for n in sorted(doc["components"])}
+    return {k: out[k] for k in sorted(out)}
+
+
+def _component(entry: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for field in sorted(entry):
+        if field == "state":
+            out[field] = entry[field]
+        elif field == "ranks":
+            out[field] = {r: entry[field][r] for r in sorted(entry[field])}
+        else:
+            out[field] = _sorted(entry[field])
+    return out
+
+
+def _sorted(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _sorted(node[k]) for k in sorted(node)}
+    if isinstance(node, list):
+        return [_sorted(v) for v in node]
+    return node
 
 
 def read(directory: Path) -> dict[str, Any]:

@@ -1,14 +1,23 @@
-"""Split nested state (dicts, lists, tuples, scalars, tensors) into JSON and tensors.
+"""Split nested state (containers, scalars, tensors) into JSON and tensors, and back.
 
 A component's ``state_dict()`` is encoded as a JSON *skeleton* in which every tensor is
 replaced by a reference to a flat key; the tensors go to sharded storage. Decoding puts
 them back. Nothing is ever pickled: values that are neither JSON-representable nor
 tensors are refused with the path where they were found.
+
+Decoding is the exact inverse of encoding: the same container types (``dict``,
+``Counter``, ``OrderedDict``, ``defaultdict`` with a builtin factory, ``list``, ``tuple``,
+``set``, ``frozenset``), the same scalar types (``bool``, ``int``, ``float``, numpy
+scalars) and the same key order. A plain dict with string keys is a JSON object (the
+manifest keeps its member order); everything else that JSON cannot say carries an
+``{"__ub__": TAG, ...}`` tag. Tags are never redefined: skeletons written by older
+versions decode as they always did.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -16,6 +25,17 @@ import numpy as np
 import torch
 
 _TAG = "__ub__"
+# A defaultdict's factory is saved by name, and only these: anything else needs pickle.
+_FACTORIES: dict[str, type] = {
+    t.__name__: t for t in (int, float, bool, str, list, dict, tuple, set, frozenset)
+}
+_MAPPING_TAGS: dict[type, str] = {
+    Counter: "counter",
+    OrderedDict: "ordereddict",
+    defaultdict: "defaultdict",
+}
+_MAPPING_TYPES = {tag: kind for kind, tag in _MAPPING_TAGS.items()}
+_SET_TAGS: dict[type, str] = {set: "set", frozenset: "frozenset"}
 
 
 def _escape(segment: str) -> str:
@@ -44,6 +64,10 @@ class _Raw(str):
     """A path segment joined as is."""
 
 
+def _where(path: list) -> str:
+    return "/".join(map(str, path))
+
+
 def _encode(value: Any, path: list, tensors: dict, key_for: Callable | None) -> Any:
     if isinstance(value, torch.Tensor):
         key = key_for(path) if key_for is not None else join_key(*path)
@@ -51,6 +75,8 @@ def _encode(value: Any, path: list, tensors: dict, key_for: Callable | None) -> 
             raise ValueError(f"two tensors map to the same checkpoint key {key!r}")
         tensors[key] = value
         return {_TAG: "tensor", "key": key}
+    if isinstance(value, np.generic):  # before float and str: np.float64 and np.str_ are both
+        return _encode_npscalar(value, path)
     if value is None or isinstance(value, bool | str):
         return value
     if isinstance(value, int):
@@ -60,39 +86,81 @@ def _encode(value: Any, path: list, tensors: dict, key_for: Callable | None) -> 
             return value
         return {_TAG: "float", "repr": repr(value)}
     if isinstance(value, Mapping):
-        if all(isinstance(k, str) for k in value) and _TAG not in value:
-            return {k: _encode(v, [*path, k], tensors, key_for) for k, v in value.items()}
-        items = []
-        for k, v in value.items():
-            if not isinstance(k, str | int | float | bool) and k is not None:
-                raise TypeError(
-                    f"cannot save {'/'.join(map(str, path))}: dict key {k!r} of type "
-                    f"{type(k).__name__} is not a str, int, float or bool"
-                )
-            items.append([k, _encode(v, [*path, k], tensors, key_for)])
-        return {_TAG: "dict", "items": items}
+        return _encode_mapping(value, path, tensors, key_for)
     if isinstance(value, list):
         return [_encode(v, [*path, i], tensors, key_for) for i, v in enumerate(value)]
     if isinstance(value, tuple):
         items = [_encode(v, [*path, i], tensors, key_for) for i, v in enumerate(value)]
         return {_TAG: "tuple", "items": items}
+    if type(value) in _SET_TAGS:
+        return {_TAG: _SET_TAGS[type(value)], "items": [_encode_key(m, path) for m in value]}
     if isinstance(value, torch.dtype):
         return {_TAG: "dtype", "name": str(value).removeprefix("torch.")}
     if isinstance(value, np.ndarray):
         if value.dtype == object:
-            raise TypeError(f"cannot save {'/'.join(map(str, path))}: object arrays need pickle")
+            raise TypeError(f"cannot save {_where(path)}: object arrays need pickle")
         return {
             _TAG: "ndarray",
             "dtype": value.dtype.str,
             "shape": list(value.shape),
             "data": _encode(value.ravel().tolist(), path, tensors, key_for),
         }
-    if isinstance(value, np.generic):
-        return {_TAG: "npscalar", "dtype": value.dtype.str, "value": value.item()}
     raise TypeError(
-        f"cannot save {'/'.join(map(str, path))}: a value of type {type(value).__qualname__} "
+        f"cannot save {_where(path)}: a value of type {type(value).__qualname__} "
         "is neither a tensor nor JSON-representable; return tensors, numbers, strings, "
         "lists or dicts from state_dict()"
+    )
+
+
+def _encode_npscalar(value: np.generic, path: list) -> dict[str, Any]:
+    item = value.item()
+    if isinstance(item, np.generic):  # longdouble and friends have no exact Python value
+        raise TypeError(f"cannot save {_where(path)}: numpy {value.dtype} has no JSON form")
+    return {_TAG: "npscalar", "dtype": value.dtype.str, "value": _encode(item, path, {}, None)}
+
+
+def _encode_mapping(value: Mapping, path: list, tensors: dict, key_for: Callable | None) -> Any:
+    tag = _MAPPING_TAGS.get(type(value), "dict")
+    if tag == "dict" and _TAG not in value and all(isinstance(k, str) for k in value):
+        return {k: _encode(v, [*path, k], tensors, key_for) for k, v in value.items()}
+    out: dict[str, Any] = {_TAG: tag}
+    if tag == "defaultdict":
+        out["factory"] = _factory_name(value.default_factory, path)  # type: ignore[attr-defined]
+    out["items"] = [
+        [_encode_key(k, path), _encode(v, [*path, k], tensors, key_for)] for k, v in value.items()
+    ]
+    return out
+
+
+def _factory_name(factory: Any, path: list) -> str | None:
+    if factory is None:
+        return None
+    for name, kind in _FACTORIES.items():
+        if factory is kind:
+            return name
+    raise TypeError(
+        f"cannot save {_where(path)}: a defaultdict whose default_factory is {factory!r} "
+        f"(only None, {', '.join(_FACTORIES)} can be saved; anything else would need "
+        "pickle). Return a plain dict from state_dict() (dict(d)) and rebuild the "
+        "defaultdict in load_state_dict()"
+    )
+
+
+def _encode_key(key: Any, path: list) -> Any:
+    """A dict key or set member: a scalar, a numpy scalar, or a tuple or frozenset of
+    them (hashable values only, so that the decoded value can be a key again)."""
+    if isinstance(key, tuple):
+        return {_TAG: "tuple", "items": [_encode_key(k, path) for k in key]}
+    if type(key) is frozenset:
+        return {_TAG: "frozenset", "items": [_encode_key(k, path) for k in key]}
+    if isinstance(key, np.generic | float):
+        return _encode(key, path, {}, None)
+    if key is None or isinstance(key, str | int):
+        return key
+    raise TypeError(
+        f"cannot save {_where(path)}: dict key or set member {key!r} of type "
+        f"{type(key).__qualname__} is not a str, int, float, bool, None, numpy scalar, or a "
+        "tuple or frozenset of them"
     )
 
 
@@ -109,10 +177,13 @@ def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         return tensors[skeleton["key"]]
     if tag == "float":
         return float(skeleton["repr"])
-    if tag == "dict":
-        return {k: decode(v, tensors) for k, v in skeleton["items"]}
+    if tag == "dict" or tag in _MAPPING_TYPES:
+        return _decode_mapping(skeleton, tag, tensors)
     if tag == "tuple":
         return tuple(decode(v, tensors) for v in skeleton["items"])
+    if tag in ("set", "frozenset"):
+        members = (decode(m, {}) for m in skeleton["items"])
+        return set(members) if tag == "set" else frozenset(members)
     if tag == "dtype":
         dtype = getattr(torch, skeleton["name"], None)
         if not isinstance(dtype, torch.dtype):
@@ -122,8 +193,59 @@ def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         data = decode(skeleton["data"], tensors)
         return np.asarray(data, dtype=np.dtype(skeleton["dtype"])).reshape(skeleton["shape"])
     if tag == "npscalar":
-        return np.dtype(skeleton["dtype"]).type(skeleton["value"])
+        return np.dtype(skeleton["dtype"]).type(decode(skeleton["value"], {}))
     raise ValueError(f"unknown tag {tag!r} in checkpoint metadata")
+
+
+def _decode_mapping(skeleton: dict, tag: str, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if tag == "defaultdict":
+        name = skeleton["factory"]
+        if name is not None and name not in _FACTORIES:
+            raise ValueError(f"unknown defaultdict factory {name!r} in checkpoint metadata")
+        out: Any = defaultdict(None if name is None else _FACTORIES[name])
+    else:
+        out = _MAPPING_TYPES.get(tag, dict)()
+    for key, value in skeleton["items"]:
+        # Keys are plain JSON scalars, or tagged tuples/floats/numpy scalars (never tensors).
+        out[decode(key, {}) if isinstance(key, dict) else key] = decode(value, tensors)
+    return out
+
+
+def difference(saved: Any, live: Any, path: str) -> str | None:
+    """Where two skeletons first differ (``path/...`` with both values), or None.
+
+    Exact where JSON is: ``bool``, ``int``, ``float`` and ``str`` are told apart, floats
+    compare by their bits (``0.0`` is not ``-0.0``), lists (and with them the items of
+    every tagged container) compare in order. The member order of a JSON object is not
+    compared: manifests written before the container tags sorted it.
+    """
+    if _json_kind(saved) is not _json_kind(live):
+        return f"{path} (saved {saved!r}, live {live!r})"
+    if isinstance(saved, dict):
+        if set(saved) != set(live):
+            return f"{path} (saved keys {sorted(saved, key=str)}, live {sorted(live, key=str)})"
+        for k in saved:
+            found = difference(saved[k], live[k], f"{path}/{k}")
+            if found is not None:
+                return found
+        return None
+    if isinstance(saved, list):
+        if len(saved) != len(live):
+            return f"{path} (saved {len(saved)} items, live {len(live)})"
+        for i, (x, y) in enumerate(zip(saved, live, strict=True)):
+            found = difference(x, y, f"{path}/{i}")
+            if found is not None:
+                return found
+        return None
+    same = saved.hex() == live.hex() if isinstance(saved, float) else saved == live
+    return None if same else f"{path} (saved {saved!r}, live {live!r})"
+
+
+def _json_kind(value: Any) -> type:
+    for kind in (bool, int, float, str, dict, list):
+        if isinstance(value, kind):
+            return kind
+    return type(value)
 
 
 def tensor_keys(skeleton: Any) -> list[str]:

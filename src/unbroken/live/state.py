@@ -111,7 +111,10 @@ class ModelComponent(Component):
         self.models = _named(model, nn.Module, "model")
 
     def capture(self) -> Any:
-        return _unnamed(self.models, get_model_state_dict)
+        # torch returns an OrderedDict; a plain dict keeps the model's skeleton a JSON
+        # object keyed by FQN (what offline tools read), in the same order. The container
+        # type means nothing here: set_model_state_dict takes any mapping.
+        return _unnamed(self.models, lambda m: dict(get_model_state_dict(m)))
 
     def parameter_fqns(self) -> dict[nn.Parameter, str]:
         """Each parameter's normalized FQN (prefixed ``name.`` for a dict of models)."""
