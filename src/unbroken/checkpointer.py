@@ -47,7 +47,9 @@ class Checkpointer:
         scheduler: an LR scheduler, a dict of them, or None.
         dataloader: anything with ``state_dict``/``load_state_dict`` (e.g. torchdata's
             ``StatefulDataLoader``); saved per rank.
-        extra: name -> object with ``state_dict``/``load_state_dict`` (same on all ranks).
+        extra: name -> object with ``state_dict``/``load_state_dict``. Saved once when
+            its state is the same on every rank; saved per rank (each rank's own value,
+            restorable onto the same world size only) when it differs, as is the scheduler.
         probe: ``callable(model) -> Tensor | float``, recorded at save and recomputed
             after restore; any difference raises ``StateMismatchError``.
         keep_last: committed checkpoints to keep (None: keep all).
@@ -88,6 +90,7 @@ class Checkpointer:
         self._probe = probe
         self._keep_last = keep_last
         self._components = self._build_components(model, optimizer, scheduler, dataloader, extra)
+        self._noted_per_rank: set[str] = set()  # shared components found to differ by rank
         self._lineage: list[dict[str, Any]] = [
             {"event": "start", "time": time.time(), "world_size": collective.world_size()}
         ]
@@ -155,6 +158,7 @@ class Checkpointer:
             lineage=self._lineage,
             metrics=self._metrics.window(step, METRICS_WINDOW),
             probe=record,
+            noted_per_rank=self._noted_per_rank,
         )
         self.wait()
         if not self._async:

@@ -94,7 +94,31 @@ def agree(fn: Callable[[], T], *, only_rank0: bool = False) -> T | None:
         if error is not None:
             raise error
         return result
-    summaries = gather_all(None if error is None else (type(error), str(error)))
+    _raise_first(gather_all(None if error is None else (type(error), str(error))), error)
+    return result
+
+
+def agree_all(fn: Callable[[], T]) -> list[T]:
+    """Run ``fn`` on every rank and return every rank's result, in rank order, on every
+    rank; if it raised anywhere, raise on every rank as :func:`agree` does."""
+    result: T | None = None
+    error: BaseException | None = None
+    try:
+        result = fn()
+    except Exception as exc:
+        error = exc
+    if not active():
+        if error is not None:
+            raise error
+        return [result]  # type: ignore[list-item]
+    gathered = gather_all((None, result) if error is None else ((type(error), str(error)), None))
+    _raise_first([summary for summary, _ in gathered], error)
+    return [value for _, value in gathered]
+
+
+def _raise_first(summaries: list[Any], error: BaseException | None) -> None:
+    """Raise the error of the lowest rank whose summary is not None (this rank's own
+    ``error`` if it is that rank)."""
     for r, summary in enumerate(summaries):
         if summary is None:
             continue
@@ -108,4 +132,3 @@ def agree(fn: Callable[[], T], *, only_rank0: bool = False) -> T | None:
         except Exception:
             raised = CheckpointError(f"[rank {r}] {kind.__name__}: {message}")
         raise raised
-    return result

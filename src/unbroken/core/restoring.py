@@ -110,7 +110,7 @@ def restore(
         targets: dict[str, torch.Tensor] = {}
         for c in active:
             entry = doc["components"][c.name]
-            skeleton = entry["ranks"][str(rank)] if c.per_rank else entry["state"]
+            skeleton = entry["ranks"][str(rank)] if entry.get("per_rank") else entry["state"]
             skeletons[c.name] = skeleton
             keys = {}
             for key in tree.tensor_keys(skeleton):
@@ -248,10 +248,11 @@ def _plan(
                 f"passed to the Checkpointer; pass reset={{{c.name!r}}} to start it fresh on "
                 "purpose"
             )
-        if c.per_rank and saved_world != world:
+        if doc["components"][c.name].get("per_rank") and saved_world != world:
+            why = "" if c.per_rank else " (its state differed between ranks when saved)"
             raise IncompleteCheckpointError(
-                f"{c.name!r} is per-rank state saved by {saved_world} rank(s) and cannot be "
-                f"mapped onto {world}; pass reset={{{c.name!r}}} to start it fresh on purpose"
+                f"{c.name!r} is per-rank state{why} saved by {saved_world} rank(s) and cannot "
+                f"be mapped onto {world}; pass reset={{{c.name!r}}} to start it fresh on purpose"
             )
         status[c.name] = "restored"
     for name in doc["components"]:

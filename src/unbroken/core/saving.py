@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import json
 import logging
 import platform
 import sys
@@ -15,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -25,7 +27,7 @@ from ..errors import CheckpointError
 from ..format import fingerprint, layout, manifest, tree
 from ..format.shards import ShardWriter, quiet_single_process
 from ..format.storage import CheckpointDir
-from ..live.state import Component, ModelComponent, device_kind
+from ..live.state import Component, ModelComponent, StatefulComponent, device_kind
 from . import collective, verify
 from .staging import StagingBuffers
 
@@ -39,6 +41,8 @@ class SaveRequest:
     lineage: list[dict[str, Any]]
     metrics: list[dict[str, Any]]
     probe: dict[str, Any] | None  # this rank's probe record
+    # shared components already reported as saved per rank (warned once, then kept quiet)
+    noted_per_rank: set[str] = dataclasses.field(default_factory=set)
 
 
 @dataclasses.dataclass
@@ -49,30 +53,63 @@ class Staged:
     skeletons: dict[str, Any]
     flat: dict[str, torch.Tensor]
     info: dict[str, dict[str, Any]]  # key -> manifest fields known at capture (device, stride)
+    per_rank: set[str] = dataclasses.field(default_factory=set)  # components saved per rank
+
+
+def rank_prefix(name: str, rank: int) -> str:
+    """The tensor-key prefix of ``rank``'s state of a component saved per rank."""
+    return f"{name}/rank_{rank:05d}"
 
 
 def component_prefix(component: Component, rank: int) -> str:
-    return f"{component.name}/rank_{rank:05d}" if component.per_rank else component.name
+    return rank_prefix(component.name, rank) if component.per_rank else component.name
 
 
 def stage(request: SaveRequest, buffers: StagingBuffers | None = None) -> Staged:
     """Capture the live state (collective on errors). With ``buffers``, tensors are copied
-    so training may change the live ones while the copy is written in the background."""
-    rank = collective.rank()
+    so training may change the live ones while the copy is written in the background.
 
-    def capture() -> Staged:
+    A shared component (scheduler, extra) whose state differs between ranks is saved per
+    rank in this checkpoint, each rank's own value, so none is lost or mixed.
+    """
+    rank = collective.rank()
+    captured: dict[str, Any] = {}
+
+    def capture() -> dict[str, str]:
+        digests = {}
+        for c in request.components:
+            captured[c.name] = c.capture()
+            if isinstance(c, StatefulComponent) and not c.per_rank:
+                digests[c.name] = _digest(captured[c.name], c.name)
+        return digests
+
+    digests = collective.agree_all(capture)
+    differ = {name for name in digests[0] if len({d[name] for d in digests}) > 1}
+    per_rank = {c.name for c in request.components if c.per_rank or c.name in differ}
+    if rank == 0:
+        for name in sorted(differ - request.noted_per_rank):
+            logger.warning(
+                "the state of %r differs between ranks: it is saved per rank (each rank's "
+                "own value) and restores only onto the same world size; pass per-rank "
+                "state on purpose, or keep it equal on every rank",
+                name,
+            )
+    request.noted_per_rank |= differ
+
+    def encode() -> Staged:
         skeletons: dict[str, Any] = {}
         flat: dict[str, torch.Tensor] = {}
         for c in request.components:
-            skeletons[c.name] = tree.encode(c.capture(), component_prefix(c, rank), flat)
-        for t in flat.values():
-            manifest.dtype_name(t.dtype)  # refuse unsupported dtypes before writing anything
+            prefix = rank_prefix(c.name, rank) if c.name in per_rank else c.name
+            skeletons[c.name] = tree.encode(captured[c.name], prefix, flat)
+        for key, t in flat.items():
+            _check_savable(key, t)  # before anything is written
         info = {k: _capture_info(t) for k, t in flat.items()}
         if buffers is not None:
             flat = buffers.copy(flat)
-        return Staged(request, skeletons, flat, info)
+        return Staged(request, skeletons, flat, info, per_rank)
 
-    staged = collective.agree(capture)
+    staged = collective.agree(encode)
     assert staged is not None
     return staged
 
@@ -84,6 +121,27 @@ def _capture_info(t: torch.Tensor) -> dict[str, Any]:
         if stride is not None:
             info["stride"] = stride
     return info
+
+
+def _check_savable(key: str, t: torch.Tensor) -> None:
+    try:
+        manifest.dtype_name(t.dtype)
+    except TypeError as exc:
+        raise TypeError(f"tensor {key!r}: {exc}") from None
+
+
+def _digest(state: Any, name: str) -> str:
+    """xxh3-128 of a component's state: its JSON skeleton and each tensor's dtype, shape
+    and bytes (a sharded DTensor contributes its global shape only)."""
+    flat: dict[str, torch.Tensor] = {}
+    skeleton = tree.encode(state, name, flat)
+    h = xxhash.xxh3_128(json.dumps(skeleton, sort_keys=True).encode())
+    for key, t in flat.items():
+        h.update(f"\0{key}\0{t.dtype}\0{list(t.shape)}\0".encode())
+        if not isinstance(t, DTensor) and t.layout == torch.strided:
+            data = t.detach().resolve_conj().resolve_neg().cpu().contiguous().reshape(-1)
+            h.update(data.view(torch.uint8).numpy().data)
+    return h.hexdigest()
 
 
 def write(ckdir: CheckpointDir, staged: Staged) -> Path:
@@ -118,10 +176,7 @@ def write(ckdir: CheckpointDir, staged: Staged) -> Path:
 def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Path:
     request, flat = staged.request, staged.flat
     per_rank_keys = {
-        k
-        for c in request.components
-        if c.per_rank
-        for k in tree.tensor_keys(staged.skeletons[c.name])
+        k for name in staged.per_rank for k in tree.tensor_keys(staged.skeletons[name])
     }
     whole_here = per_rank_keys | (
         {k for k, t in flat.items() if not isinstance(t, DTensor)} if rank == 0 else set()
@@ -145,16 +200,14 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
         local = {
             "partials": partials.result(),
             "info": staged.info,
-            "skeletons": {
-                c.name: staged.skeletons[c.name] for c in request.components if c.per_rank
-            },
+            "skeletons": {name: staged.skeletons[name] for name in staged.per_rank},
             "file": writer.file_record,
             "probe": request.probe,
         }
     gathered = collective.gather_all(local)
 
     def commit() -> Path:
-        body = _manifest_body(request, staged.skeletons, writer, gathered)
+        body = _manifest_body(request, staged, writer, gathered)
         manifest.write(partial, body)
         return ckdir.commit(partial, request.step)
 
@@ -163,7 +216,7 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
 
 
 def _manifest_body(
-    request: SaveRequest, skeletons: dict[str, Any], writer: ShardWriter, gathered: list[dict]
+    request: SaveRequest, staged: Staged, writer: ShardWriter, gathered: list[dict]
 ) -> dict[str, Any]:
     md = writer.metadata
     if md is None:
@@ -192,15 +245,16 @@ def _manifest_body(
             tensors[key]["stride"] = info[key]["stride"]
     components: dict[str, Any] = {}
     for c in request.components:
-        entry: dict[str, Any] = {"kind": c.kind, "per_rank": c.per_rank}
+        per_rank = c.name in staged.per_rank
+        entry: dict[str, Any] = {"kind": c.kind, "per_rank": per_rank}
         if isinstance(c, ModelComponent):  # trainable parameters (not buffers, not frozen)
             entry["parameters"] = sorted(
                 fqn for p, fqn in c.parameter_fqns().items() if p.requires_grad
             )
-        if c.per_rank:
+        if per_rank:
             entry["ranks"] = {str(r): g["skeletons"][c.name] for r, g in enumerate(gathered)}
         else:
-            entry["state"] = skeletons[c.name]
+            entry["state"] = staged.skeletons[c.name]
         components[c.name] = entry
     files = dict(g["file"] for g in gathered if g["file"] is not None)
     probes = [g["probe"] for g in gathered]
