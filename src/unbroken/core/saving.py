@@ -124,6 +124,12 @@ def _capture_info(t: torch.Tensor) -> dict[str, Any]:
 
 
 def _check_savable(key: str, t: torch.Tensor) -> None:
+    if t.layout != torch.strided:
+        raise CheckpointError(
+            f"tensor {key!r} is {str(t.layout).removeprefix('torch.')}; only dense tensors "
+            "can be checkpointed: keep it dense (e.g. .to_dense()) in the state, or register "
+            "it as a non-persistent buffer and rebuild it after restore"
+        )
     try:
         manifest.dtype_name(t.dtype)
     except TypeError as exc:

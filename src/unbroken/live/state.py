@@ -109,12 +109,16 @@ class ModelComponent(Component):
     def __init__(self, model: nn.Module | Mapping[str, nn.Module], name: str = "model") -> None:
         self.name = name
         self.models = _named(model, nn.Module, "model")
+        if None not in self.models:
+            _check_joined_names(self.models)
 
     def capture(self) -> Any:
         # torch returns an OrderedDict; a plain dict keeps the model's skeleton a JSON
         # object keyed by FQN (what offline tools read), in the same order. The container
-        # type means nothing here: set_model_state_dict takes any mapping.
-        return _unnamed(self.models, lambda m: dict(get_model_state_dict(m)))
+        # type means nothing here: set_model_state_dict takes any mapping. strict=False:
+        # torch refuses an empty model state only when strict; a part without state
+        # (nn.Identity) is simply empty.
+        return _unnamed(self.models, lambda m: dict(get_model_state_dict(m, options=_GET_OPTIONS)))
 
     def parameter_fqns(self) -> dict[nn.Parameter, str]:
         """Each parameter's normalized FQN (prefixed ``name.`` for a dict of models)."""
@@ -173,11 +177,41 @@ class ModelComponent(Component):
 
     def install(self, state: Any) -> None:
         options = StateDictOptions(strict=True)
-        if None in self.models:
-            set_model_state_dict(self.models[None], state, options=options)
-        else:
-            for name, module in self.models.items():
-                set_model_state_dict(module, state[name], options=options)
+        for name, module in self.models.items():
+            part = state if name is None else state[name]
+            if part:  # an empty part has no live tensors either (checked by targets())
+                set_model_state_dict(module, part, options=options)
+
+
+_GET_OPTIONS = StateDictOptions(strict=False)
+
+
+def _check_joined_names(models: dict[str, nn.Module]) -> None:
+    """Refuse dict keys whose joined names collide (``{"a": m1, "a.0": m2}``: m1's
+    ``0.weight`` and m2's ``weight`` are both ``a.0.weight``): optimizer state and the
+    offline tools key tensors by these names, so the two would mix."""
+    owner: dict[str, str] = {}
+    for name, module in models.items():
+        for fqn in _state_fqns(module):
+            joined = f"{name}.{fqn}"
+            first = owner.setdefault(joined, name)
+            if first != name:
+                raise ValueError(
+                    f"model[{first!r}] and model[{name!r}] both have a tensor named "
+                    f"{joined!r} once the dict key and the FQN are joined; optimizer state "
+                    "is keyed by these names and would mix: rename a dict key (e.g. to one "
+                    "without '.')"
+                )
+
+
+def _state_fqns(module: nn.Module) -> set[str]:
+    """Normalized FQNs of the module's parameters and persistent buffers."""
+    raw = [n for n, _ in module.named_parameters()]
+    for n, _ in module.named_buffers():
+        owner, _, leaf = n.rpartition(".")
+        if leaf not in module.get_submodule(owner)._non_persistent_buffers_set:
+            raw.append(n)
+    return {fqn for n in raw for fqn in _get_fqns(module, n)}
 
 
 class StatefulComponent(Component):
