@@ -204,14 +204,14 @@ def _check_joined_names(models: dict[str, nn.Module]) -> None:
                 )
 
 
-def _state_fqns(module: nn.Module) -> set[str]:
-    """Normalized FQNs of the module's parameters and persistent buffers."""
+def _state_fqns(module: nn.Module) -> list[str]:
+    """Normalized FQNs of the module's parameters and persistent buffers, in order."""
     raw = [n for n, _ in module.named_parameters()]
     for n, _ in module.named_buffers():
         owner, _, leaf = n.rpartition(".")
         if leaf not in module.get_submodule(owner)._non_persistent_buffers_set:
             raw.append(n)
-    return {fqn for n in raw for fqn in _get_fqns(module, n)}
+    return list(dict.fromkeys(fqn for n in raw for fqn in sorted(_get_fqns(module, n))))
 
 
 class StatefulComponent(Component):
