@@ -207,9 +207,10 @@ class Checkpointer:
             raise ValueError(f"reset names unknown component(s) {unknown}; known: {names}")
         candidates = restoring.candidate_steps(self._dir, step)
         world = collective.world_size()
+        skipped = restoring.lost_manifests(self._dir)  # damaged folders, named in the report
         if not candidates:
-            return RestoreReport(world_size=world, components={n: "absent" for n in names})
-        skipped: list[str] = []
+            absent = {n: "absent" for n in names}
+            return RestoreReport(world_size=world, components=absent, warnings=skipped)
         for chosen in candidates:
             folder = self._dir.step_path(chosen)
             try:

@@ -42,6 +42,9 @@ With --step (or given a step folder): components, every tensor (key, shape, dtyp
 bytes) and the optimizer's coverage of the model (state entries and `step` per
 parameter; parameters without state and model tensors in no param group are flagged).
 
+A step folder without manifest.json (its manifest was lost or deleted) is listed as
+DAMAGED: it is never restored, and `unbroken verify` fails on it.
+
 Reads only the JSON manifest (and the optimizer's `step` tensors); never writes.
 Exit 0, or 1 if a manifest is damaged, 2 if DIR is not a checkpoint or the step does
 not exist."""
@@ -64,7 +67,7 @@ def inspect_command(
 
 
 def _list(path: Path, as_json: bool) -> None:
-    summaries = [summarize(folder) for folder in step_folders(path)]
+    summaries = [summarize(folder) for folder in step_folders(path, damaged=True)]
     if as_json:
         emit_json({"path": str(path), "checkpoints": summaries})
     else:
@@ -86,7 +89,7 @@ def _list(path: Path, as_json: bool) -> None:
                 lineage_text(s.lineage),
             )
         stdout().print(table)
-    if any(s.error for s in summaries):
+    if any(s.error and s.committed for s in summaries):  # verify fails on the others
         raise typer.Exit(EXIT_FAILED)
 
 

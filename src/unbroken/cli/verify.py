@@ -9,7 +9,7 @@ import typer
 from rich.markup import escape
 
 from ..tools.audit import AuditReport, audit, total_bytes
-from ..tools.inspection import locate, step_folders
+from ..tools.inspection import is_step_folder, locate, step_folders
 from ._common import (
     EXIT_FAILED,
     JsonOption,
@@ -28,6 +28,8 @@ recorded size and nothing unlisted; each file's record consistent with its chunk
 every chunk's xxh3-128 checksum; every tensor's fingerprint recomputed from its
 assembled value; every tensor referenced by a component; the optimizer state covering
 the model (no state for unknown FQNs or outside param groups). Default: the latest step.
+Given a run folder without --step, every step folder that lost its manifest.json is
+reported as damaged too.
 
 Never writes. Exit 0 when every check holds, 1 when any fails (each failure named with
 its file or tensor), 2 if DIR is not a checkpoint or the step does not exist."""
@@ -48,7 +50,7 @@ def verify_command(
     if every and step is not None:
         raise typer.BadParameter("--step and --all exclude each other")
     with guard():
-        folders = step_folders(path) if every else [locate(path, step)]
+        folders = _folders(path, step, every)
         total = sum(total_bytes(f) for f in folders)
         with progress("verifying", total) as advance:
             reports = [audit(f, on_bytes=advance) for f in folders]
@@ -60,6 +62,18 @@ def verify_command(
             _print(console, r)
     if not all(r.ok for r in reports):
         raise typer.Exit(EXIT_FAILED)
+
+
+def _folders(path: Path, step: int | None, every: bool) -> list[Path]:
+    """The folders to audit: the step asked for; else the latest (or every) committed
+    one and every step folder without manifest.json (damaged: its audit fails)."""
+    if step is not None:
+        return [locate(path, step)]
+    folders = step_folders(path, damaged=True)
+    if every:
+        return folders
+    committed = [f for f in folders if is_step_folder(f)]
+    return [f for f in folders if f == committed[-1] or not is_step_folder(f)]
 
 
 def _print(console, r: AuditReport) -> None:

@@ -42,12 +42,34 @@ def candidate_steps(ckdir: CheckpointDir, step: int | None) -> list[int]:
         steps = ckdir.steps()
         if step is None:
             return steps[::-1]
+        if step not in steps and step in ckdir.steps_without_manifest():
+            raise CorruptCheckpointError(
+                f"{ckdir.step_path(step)} has no manifest.json: the checkpoint of step {step} "
+                f"is damaged (its manifest was lost or deleted); committed steps: {steps or 'none'}"
+            )
         if step not in steps:
             raise CheckpointNotFoundError(
                 f"step {step} is not a committed checkpoint in {ckdir.root}; committed steps: "
                 f"{steps or 'none'}"
             )
         return [step]
+
+    return collective.from_rank0(collective.agree(find, only_rank0=True))
+
+
+def lost_manifests(ckdir: CheckpointDir) -> list[str]:
+    """Warnings naming step folders without manifest.json (damaged, never restored);
+    the same on every rank, logged by rank 0."""
+
+    def find() -> list[str]:
+        found = [
+            f"{ckdir.step_path(s)} has no manifest.json: the checkpoint of step {s} is "
+            "damaged (its manifest was lost or deleted) and was not considered"
+            for s in ckdir.steps_without_manifest()
+        ]
+        for warning in found:
+            logger.warning("%s", warning)
+        return found
 
     return collective.from_rank0(collective.agree(find, only_rank0=True))
 

@@ -20,6 +20,7 @@ import xxhash
 
 from ..errors import CorruptCheckpointError
 from . import layout
+from .storage import folder_step, step_dir_name
 
 FORMAT = "unbroken-checkpoint"
 FORMAT_VERSION = 1
@@ -105,7 +106,10 @@ def read(directory: Path) -> dict[str, Any]:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f, parse_constant=_refuse_constant)
     except FileNotFoundError:
-        raise CorruptCheckpointError(f"{path} is missing: {directory} is not committed") from None
+        raise CorruptCheckpointError(
+            f"{path} is missing: {directory} is not a committed checkpoint (a step folder "
+            "whose manifest was lost or deleted is damaged and never restored)"
+        ) from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path} is not valid JSON ({exc}); it is damaged") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -120,6 +124,13 @@ def read(directory: Path) -> dict[str, Any]:
     if claimed != _digest(doc):
         raise CorruptCheckpointError(f"{path} fails its checksum: the manifest was altered")
     _validate(path, doc)
+    named = folder_step(directory)
+    if named is not None and named != doc["step"]:
+        raise CorruptCheckpointError(
+            f"{directory} is named for step {named} but holds the checkpoint of step "
+            f"{doc['step']}: step folders were renamed, swapped or copied. Rename it to "
+            f"{step_dir_name(doc['step'])} if that is where it belongs, or use another step"
+        )
     return doc
 
 

@@ -40,6 +40,12 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def folder_step(path: str | os.PathLike) -> int | None:
+    """The step a folder's name says (``step_00000200`` -> 200), or None."""
+    m = _STEP_RE.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -78,6 +84,22 @@ class CheckpointDir:
         for entry in self.root.iterdir():
             m = _STEP_RE.match(entry.name)
             if m and (entry / MANIFEST).is_file():
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def steps_without_manifest(self) -> list[int]:
+        """Steps whose ``step_*`` folder has no manifest.json, ascending.
+
+        A save never leaves one (the commit renames a folder that already holds its
+        manifest), so the manifest was lost or deleted: the checkpoint is damaged. It is
+        never listed among :meth:`steps` nor restored; callers report it.
+        """
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            m = _STEP_RE.match(entry.name)
+            if m and entry.is_dir() and not (entry / MANIFEST).is_file():
                 found.append(int(m.group(1)))
         return sorted(found)
 

@@ -21,7 +21,7 @@ import xxhash
 
 from ..errors import CheckpointError
 from ..format import fingerprint, manifest, tree
-from ..format.storage import MANIFEST
+from ..format.storage import MANIFEST, folder_step
 from ..format.tensor_reader import TensorReader
 from .coverage import optimizer_coverage
 from .inspection import component_skeletons
@@ -72,7 +72,7 @@ def audit(folder: str | Path, *, on_bytes: Callable[[int], None] | None = None) 
         on_bytes: called with the byte count of each chunk read (progress).
     """
     folder = Path(folder)
-    report = AuditReport(path=str(folder))
+    report = AuditReport(path=str(folder), step=folder_step(folder))
     try:
         doc = manifest.read(folder)
     except CheckpointError as exc:

@@ -8,16 +8,13 @@ Nothing here writes to a checkpoint folder or unpickles anything.
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFoundError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format import manifest, tree
-from ..format.storage import MANIFEST, CheckpointDir
+from ..format.storage import MANIFEST, CheckpointDir, folder_step
 from ..format.tensor_reader import tensor_nbytes
-
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
 def is_step_folder(path: Path) -> bool:
@@ -46,51 +43,60 @@ def locate(path: str | Path, step: int | None = None) -> Path:
         )
     if is_step_folder(path):
         if step is not None:
-            saved = _step_of(path)
+            saved = folder_step(path)
             if saved is not None and saved != step:
                 raise CheckpointNotFoundError(
                     f"{path} is the checkpoint of step {saved}, not step {step}; pass the "
                     "run folder to choose among steps"
                 )
         return path
-    if _STEP_DIR.match(path.name):
+    if folder_step(path) is not None:
         raise CheckpointNotFoundError(
-            f"{path} has no {MANIFEST}: it is not a committed checkpoint (a save that "
-            "did not finish)"
+            f"{path} has no {MANIFEST}: it is not a committed checkpoint (a save never "
+            "leaves one: its manifest was lost or deleted, and the checkpoint is damaged)"
         )
-    steps = CheckpointDir(path).steps()
+    ckdir = CheckpointDir(path)
+    steps, lost = ckdir.steps(), ckdir.steps_without_manifest()
     if not steps:
+        damaged = f"; damaged: {_lost_text(ckdir, lost)}" if lost else ""
         raise CheckpointNotFoundError(
-            f"{path} holds no committed unbroken checkpoint (no step_*/{MANIFEST}); "
+            f"{path} holds no committed unbroken checkpoint (no step_*/{MANIFEST}){damaged}; "
             "checkpoints of other tools can be brought in with `unbroken import`"
         )
     if step is None:
         step = steps[-1]
+    elif step in lost:
+        raise CorruptCheckpointError(f"{_lost_text(ckdir, [step])}; committed steps: {steps}")
     elif step not in steps:
         raise CheckpointNotFoundError(
             f"step {step} is not a committed checkpoint in {path}; committed steps: {steps}"
         )
-    return CheckpointDir(path).step_path(step)
+    return ckdir.step_path(step)
 
 
-def _step_of(folder: Path) -> int | None:
-    m = _STEP_DIR.match(folder.name)
-    return int(m.group(1)) if m else None
+def _lost_text(ckdir: CheckpointDir, steps: list[int]) -> str:
+    names = ", ".join(ckdir.step_path(s).name for s in steps)
+    return (
+        f"{names} in {ckdir.root} {'has' if len(steps) == 1 else 'have'} no {MANIFEST} (the "
+        "manifest was lost or deleted: such a checkpoint is damaged and never restored)"
+    )
 
 
-def step_folders(path: str | Path) -> list[Path]:
-    """Every committed step folder under ``path`` (itself, if it is a step folder)."""
+def step_folders(path: str | Path, *, damaged: bool = False) -> list[Path]:
+    """Every committed step folder under ``path`` (itself, if it is a step folder), by
+    step; with ``damaged``, also the step folders that lost their manifest.json."""
     path = Path(path)
     locate(path)  # raises a clear error for anything that is not a checkpoint
     if is_step_folder(path):
         return [path]
     ckdir = CheckpointDir(path)
-    return [ckdir.step_path(s) for s in ckdir.steps()]
+    steps = ckdir.steps() + (ckdir.steps_without_manifest() if damaged else [])
+    return [ckdir.step_path(s) for s in sorted(steps)]
 
 
 @dataclasses.dataclass
 class CheckpointSummary:
-    """One committed checkpoint, as listed by ``unbroken inspect DIR``."""
+    """One step folder, as listed by ``unbroken inspect DIR``."""
 
     step: int | None
     path: str
@@ -100,6 +106,7 @@ class CheckpointSummary:
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
     lineage: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     error: str | None = None  # the manifest could not be read
+    committed: bool = True  # False: a step folder without manifest.json (damaged)
 
 
 def summarize(folder: Path) -> CheckpointSummary:
@@ -108,7 +115,13 @@ def summarize(folder: Path) -> CheckpointSummary:
     try:
         doc = manifest.read(folder)
     except CheckpointError as exc:
-        return CheckpointSummary(_step_of(folder), str(folder), size, error=str(exc))
+        return CheckpointSummary(
+            folder_step(folder),
+            str(folder),
+            size,
+            error=str(exc),
+            committed=(folder / MANIFEST).is_file(),
+        )
     return CheckpointSummary(
         step=doc["step"],
         path=str(folder),
