@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -149,8 +150,7 @@ class Checkpointer:
         every committed checkpoint untouched) if anything fails.
         """
         self._check_open()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        step = _as_step(step)
         record = probe.record(self._probe, self._model) if self._probe is not None else None
         request = saving.SaveRequest(
             step=step,
@@ -255,6 +255,7 @@ class Checkpointer:
         ``metrics.jsonl`` (see :func:`unbroken.proof.metrics.read_series`); after a resume they
         feed the health check, whose findings are logged and kept in :attr:`warnings`.
         """
+        step = _as_step(step)
         self._metrics.track(step, metrics)
         if self._health is not None:
             for warning in self._health.observe(step, self._metrics.values[step]):
@@ -310,3 +311,14 @@ class Checkpointer:
                 self._dir.remove(s)
 
         collective.agree(prune, only_rank0=True)
+
+
+def _as_step(step: Any) -> int:
+    """A step as an int: Python, NumPy and 0-d integer tensors are accepted."""
+    if isinstance(step, torch.Tensor) and step.dim() == 0 and not step.is_floating_point():
+        step = step.item()
+    elif isinstance(step, np.integer):
+        step = int(step)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise ValueError(f"step must be an integer >= 0, got {step!r}")
+    return int(step)

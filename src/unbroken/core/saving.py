@@ -286,9 +286,14 @@ def _manifest_body(
 
 
 def unwrap(exc: CheckpointException, doing: str) -> BaseException:
-    """Turn DCP's multi-rank exception into the first underlying error, rank named."""
+    """Turn DCP's multi-rank exception into the first underlying error, rank named.
+
+    An interrupt (KeyboardInterrupt, SystemExit) comes back unchanged, so a loop that
+    catches ``CheckpointError`` (a full disk, say) never swallows a Ctrl-C."""
     for rank, failure in sorted(exc.failures.items()):
         inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
+        if isinstance(inner, BaseException) and not isinstance(inner, Exception):
+            return inner  # KeyboardInterrupt, SystemExit: the caller's, unchanged
         where = f"[rank {rank}] " if collective.world_size() > 1 else ""
         if isinstance(inner, CheckpointError):
             return type(inner)(f"{where}{inner}")
