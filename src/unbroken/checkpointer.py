@@ -19,6 +19,7 @@ from .core.staging import StagingBuffers
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.storage import CheckpointDir
 from .live import probe
+from .live.dataloader import dataloader_component
 from .live.optimizer import OptimizerComponent
 from .live.rng import RNGState
 from .live.state import Component, ModelComponent, StatefulComponent
@@ -124,9 +125,7 @@ class Checkpointer:
                 )
             comps.append(StatefulComponent(name, obj, kind="extra"))
         if dataloader is not None:
-            comps.append(
-                StatefulComponent("dataloader", dataloader, kind="dataloader", per_rank=True)
-            )
+            comps.append(dataloader_component(dataloader))
         comps.append(StatefulComponent("rng", RNGState(), kind="rng", per_rank=True))
         return comps
 

@@ -56,3 +56,102 @@ def test_step_refuses_what_is_not_a_step(ckpt_dir, step):
     """A float, a vector, a bool or a negative number is not a step: a clear ValueError."""
     with pytest.raises(ValueError, match="step must be"):
         Problem().checkpointer(ckpt_dir).save(step)
+
+
+def test_plain_dataloader_error_names_the_fix(ckpt_dir):
+    """A plain torch DataLoader: the error says which stateful loader to use, or the
+    documented minimal wrapper for a DistributedSampler loop."""
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    with pytest.raises(TypeError, match=r"StatefulDataLoader.*docs/pitfalls\.md"):
+        Problem().checkpointer(ckpt_dir, dataloader=loader)
+
+
+def _shuffled_run(ckpt_dir, *, total: int, stop: int | None, generator: bool, seed: int):
+    """The README quickstart loop around a model with dropout and a shuffled loader."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    xs = torch.randn(40, 4, generator=torch.Generator().manual_seed(0))
+    data = list(zip(xs, torch.sin(xs).sum(1, keepdim=True), strict=True))
+    p = Problem(seed=seed)  # seeds the global RNG: the resumed process starts elsewhere
+    gen = torch.Generator().manual_seed(7) if generator else None
+    loader = StatefulDataLoader(data, batch_size=6, shuffle=True, generator=gen)
+    ckpt = p.checkpointer(ckpt_dir, dataloader=loader)
+    report = ckpt.restore()
+    losses, step = [], report.step
+    while step < total:
+        for x, y in loader:
+            loss = (p.model(x) - y).pow(2).mean()
+            p.opt.zero_grad()
+            loss.backward()
+            p.opt.step()
+            losses.append(loss.item())
+            step += 1
+            if step in (stop, total):
+                ckpt.save(step)
+                break
+        if step == stop:
+            break
+    ckpt.close()
+    return losses
+
+
+@pytest.mark.parametrize("generator", [False, True], ids=["global-rng", "own-generator"])
+@pytest.mark.parametrize("stop", [3, 7, 14], ids=["mid-epoch", "at-epoch-end", "next-epoch"])
+def test_shuffled_loader_with_dropout_resumes_exactly(tmp_path, generator, stop):
+    """The quickstart resumes exactly with dropout and a shuffled StatefulDataLoader
+    across epoch ends: the iterator's seed draw no longer shifts the dropout masks, and the
+    loader's generator shuffles the next epoch as in an uninterrupted run."""
+    straight = _shuffled_run(tmp_path / "a", total=20, stop=None, generator=generator, seed=0)
+    first = _shuffled_run(tmp_path / "b", total=20, stop=stop, generator=generator, seed=0)
+    resumed = _shuffled_run(tmp_path / "b", total=20, stop=None, generator=generator, seed=1)
+    assert first + resumed == straight
+
+
+def _doc_recipe() -> dict:
+    """The DistributedSampler recipe exactly as docs/pitfalls.md shows it."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[2] / "docs" / "pitfalls.md").read_text()
+    code = re.findall(r"```python\n(.*?)```", text, re.S)[0]
+    namespace: dict = {}
+    exec(code, namespace)
+    return namespace
+
+
+def _sampler_run(ckpt_dir, *, total: int, stop: int | None, seed: int) -> list[float]:
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    recipe = _doc_recipe()
+    xs = torch.randn(30, 4, generator=torch.Generator().manual_seed(0))
+    dataset = list(zip(xs, torch.sin(xs).sum(1, keepdim=True), strict=True))
+    p = Problem(seed=seed)
+    generator = torch.Generator()
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=3)
+    loader = DataLoader(dataset, batch_size=4, sampler=sampler, generator=generator)
+    position = recipe["EpochPosition"]()
+    ckpt = p.checkpointer(ckpt_dir, extra={"position": position})
+    step = ckpt.restore().step
+    losses = []
+    for x, y in recipe["batches"](loader, sampler, generator, position, 3):
+        loss = (p.model(x) - y).pow(2).mean()
+        p.opt.zero_grad()
+        loss.backward()
+        p.opt.step()
+        losses.append(loss.item())
+        step += 1
+        if step in (stop, total):
+            ckpt.save(step)
+            break
+    ckpt.close()
+    return losses
+
+
+@pytest.mark.parametrize("stop", [3, 8, 12], ids=["mid-epoch", "at-epoch-end", "next-epoch"])
+def test_documented_distributed_sampler_recipe_resumes_exactly(tmp_path, stop):
+    """A plain DataLoader over a DistributedSampler, with the wrapper docs/pitfalls.md
+    documents (epoch + batches consumed), resumes bit for bit with dropout."""
+    straight = _sampler_run(tmp_path / "a", total=20, stop=None, seed=0)
+    first = _sampler_run(tmp_path / "b", total=20, stop=stop, seed=0)
+    resumed = _sampler_run(tmp_path / "b", total=20, stop=None, seed=1)
+    assert first + resumed == straight
