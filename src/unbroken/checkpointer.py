@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .core import collective, restoring, saving
+from .core import branching, collective, restoring, saving
 from .core.staging import StagingBuffers
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.storage import CheckpointDir
@@ -91,6 +91,7 @@ class Checkpointer:
             {"event": "start", "time": time.time(), "world_size": collective.world_size()}
         ]
         self._metrics = MetricLog()
+        self._fork: int | None = None  # the step resumed from, until the first save commits
         self._health: HealthCheck | None = None
         self._stop = StopPolicy(agree=collective.any_rank)
         self._closed = False
@@ -148,14 +149,16 @@ class Checkpointer:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         record = probe.record(self._probe, self._model) if self._probe is not None else None
+        self.wait()
+        retire = self._note_branch()
         request = saving.SaveRequest(
             step=step,
             components=self._components,
             lineage=self._lineage,
             metrics=self._metrics.window(step, METRICS_WINDOW),
             probe=record,
+            retire=retire,
         )
-        self.wait()
         if not self._async:
             self._finish_save(saving.stage(request))
             return str(self._dir.step_path(step))
@@ -167,6 +170,7 @@ class Checkpointer:
 
     def _finish_save(self, staged: saving.Staged) -> None:
         saving.write(self._dir, staged)
+        self._fork = None  # the branch is committed; its abandoned steps are retired
         self._apply_retention(staged.request.step)
         self._flush_metrics()
 
@@ -237,6 +241,7 @@ class Checkpointer:
             },
         ]
         self._metrics.load_window(doc.get("metrics", []), resumed_from=chosen)
+        self._fork = chosen  # newer committed steps are retired by the first save
         self._health = HealthCheck(self._metrics.values, chosen)
         if collective.rank() == 0:
             logger.info("%s", report)
@@ -289,6 +294,16 @@ class Checkpointer:
 
     def _flush_metrics(self) -> None:
         collective.agree(lambda: self._metrics.flush(self._dir.root), only_rank0=True)
+
+    def _note_branch(self) -> list[int]:
+        """Before a save (collective): the abandoned steps this save retires, if it is the
+        first since a resume from an older step, noted in the resume event of the lineage
+        (core/branching.py)."""
+        if self._fork is None:
+            return []
+        retire = branching.abandoned_steps(self._dir, self._fork)
+        self._lineage = branching.amend_last_event(self._lineage, retired=retire)
+        return retire
 
     def _apply_retention(self, newest: int) -> None:
         if self._keep_last is None:

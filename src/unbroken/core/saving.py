@@ -39,6 +39,8 @@ class SaveRequest:
     lineage: list[dict[str, Any]]
     metrics: list[dict[str, Any]]
     probe: dict[str, Any] | None  # this rank's probe record
+    # Committed steps of an abandoned branch, retired just before this save's commit.
+    retire: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -147,7 +149,7 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
     def commit() -> Path:
         body = _manifest_body(request, staged.skeletons, writer, gathered)
         manifest.write(partial, body)
-        return ckdir.commit(partial, request.step)
+        return ckdir.commit(partial, request.step, retire=request.retire)
 
     final = collective.agree(commit, only_rank0=True)
     return Path(collective.from_rank0(str(final) if final else None))
