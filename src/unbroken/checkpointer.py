@@ -90,7 +90,12 @@ class Checkpointer:
         self._lineage: list[dict[str, Any]] = [
             {"event": "start", "time": time.time(), "world_size": collective.world_size()}
         ]
-        self._metrics = MetricLog()
+        # Rank 0 appends every tracked step to metrics.jsonl; the lineage names its segment.
+        self._metrics = MetricLog(
+            self._dir.root if collective.rank() == 0 else None,
+            world_size=collective.world_size(),
+        )
+        self._lineage[0]["segment"] = self._metrics.segment
         self._fork: int | None = None  # the step resumed from, until the first save commits
         self._health: HealthCheck | None = None
         self._stop = StopPolicy(agree=collective.any_rank)
@@ -230,6 +235,9 @@ class Checkpointer:
                     ) from exc
                 logger.warning("checkpoint of step %d is damaged, trying an older one", chosen)
         report.warnings[:0] = skipped
+        # The metrics segment that saved the checkpoint (recorded in metrics.jsonl).
+        saved_by = doc["lineage"][-1].get("segment") if doc["lineage"] else None
+        self._metrics.load_window(doc.get("metrics", []), resumed_from=chosen, parent=saved_by)
         self._lineage = [
             *doc["lineage"],
             {
@@ -238,9 +246,9 @@ class Checkpointer:
                 "time": time.time(),
                 "world_size": world,
                 "reset": sorted(reset_set),
+                "segment": self._metrics.segment,
             },
         ]
-        self._metrics.load_window(doc.get("metrics", []), resumed_from=chosen)
         self._fork = chosen  # newer committed steps are retired by the first save
         self._health = HealthCheck(self._metrics.values, chosen)
         if collective.rank() == 0:
@@ -277,6 +285,7 @@ class Checkpointer:
             self.wait()
             self._flush_metrics()
         finally:
+            self._metrics.close()
             self._dir.finish_removals()
             self._stop.close()
             if self._executor is not None:
@@ -293,7 +302,7 @@ class Checkpointer:
             raise CheckpointError("this Checkpointer is closed")
 
     def _flush_metrics(self) -> None:
-        collective.agree(lambda: self._metrics.flush(self._dir.root), only_rank0=True)
+        collective.agree(self._metrics.flush, only_rank0=True)
 
     def _note_branch(self) -> list[int]:
         """Before a save (collective): the abandoned steps this save retires, if it is the
