@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -23,6 +24,7 @@ from .live.state import Component, ModelComponent, OptimizerComponent, StatefulC
 from .live.stopping import StopPolicy
 from .proof.metrics import MetricLog
 from .proof.monitor import HealthCheck
+from .proof.replay_check import ReplayCheck, ReplayVerdict
 from .report import RestoreReport
 
 logger = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ class Checkpointer:
         )
         self._lineage[0]["segment"] = self._metrics.segment
         self._fork: int | None = None  # the step resumed from, until the first save commits
+        self._replay: ReplayCheck | None = None
         self._health: HealthCheck | None = None
         self._stop = StopPolicy(agree=collective.any_rank)
         self._closed = False
@@ -155,7 +158,7 @@ class Checkpointer:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         record = probe.record(self._probe, self._model) if self._probe is not None else None
         self.wait()
-        retire = self._note_branch()
+        retire = self._note_branch_and_replay()
         request = saving.SaveRequest(
             step=step,
             components=self._components,
@@ -235,7 +238,7 @@ class Checkpointer:
                     ) from exc
                 logger.warning("checkpoint of step %d is damaged, trying an older one", chosen)
         report.warnings[:0] = skipped
-        # The metrics segment that saved the checkpoint (recorded in metrics.jsonl).
+        # The metrics segment that saved the checkpoint: the replay check's reference.
         saved_by = doc["lineage"][-1].get("segment") if doc["lineage"] else None
         self._metrics.load_window(doc.get("metrics", []), resumed_from=chosen, parent=saved_by)
         self._lineage = [
@@ -250,6 +253,7 @@ class Checkpointer:
             },
         ]
         self._fork = chosen  # newer committed steps are retired by the first save
+        self._start_replay(chosen, saved_by, world, sorted(reset_set))
         self._health = HealthCheck(self._metrics.values, chosen)
         if collective.rank() == 0:
             logger.info("%s", report)
@@ -263,14 +267,28 @@ class Checkpointer:
         feed the health check, whose findings are logged and kept in :attr:`warnings`.
         """
         self._metrics.track(step, metrics)
+        values = self._metrics.values[step]
         if self._health is not None:
-            for warning in self._health.observe(step, self._metrics.values[step]):
+            for warning in self._health.observe(step, values):
                 self._metrics.note(step, warning)
+        if self._replay is not None:
+            self._replay_decided(self._replay.observe(step, values))
+
+    @property
+    def replay(self) -> ReplayVerdict | None:
+        """The replay check of the last resume (None without one): steps the earlier run
+        had tracked after the restored checkpoint, compared bit for bit as they are
+        tracked again. Decided on rank 0 (which records metrics); other ranks receive its
+        verdict at each ``save()`` and at ``close()``."""
+        return dataclasses.replace(self._replay.verdict) if self._replay is not None else None
 
     @property
     def warnings(self) -> list[str]:
-        """Health-check warnings about the last resume (empty when it looks right)."""
-        return list(self._health.warnings) if self._health is not None else []
+        """Warnings about the last resume: the health check's, and a replay difference."""
+        found = list(self._health.warnings) if self._health is not None else []
+        if self.replay is not None and self.replay.identical is False:
+            found.append(str(self.replay))
+        return found
 
     def should_stop(self, step: int) -> bool:
         """True on every rank once SIGTERM/SIGUSR1 arrived, or at ``UNBROKEN_STOP_AT``."""
@@ -283,6 +301,9 @@ class Checkpointer:
         self._closed = True
         try:
             self.wait()
+            if self._replay is not None:
+                self._replay_decided(self._replay.finish())
+                self._share_replay()
             self._flush_metrics()
         finally:
             self._metrics.close()
@@ -304,15 +325,39 @@ class Checkpointer:
     def _flush_metrics(self) -> None:
         collective.agree(self._metrics.flush, only_rank0=True)
 
-    def _note_branch(self) -> list[int]:
+    def _note_branch_and_replay(self) -> list[int]:
         """Before a save (collective): the abandoned steps this save retires, if it is the
-        first since a resume from an older step, noted in the resume event of the lineage
-        (core/branching.py)."""
-        if self._fork is None:
-            return []
-        retire = branching.abandoned_steps(self._dir, self._fork)
-        self._lineage = branching.amend_last_event(self._lineage, retired=retire)
+        first since a resume from an older step, and the replay verdict so far, both in
+        the resume event of the lineage (core/branching.py, proof/replay_check.py)."""
+        retire: list[int] = []
+        if self._fork is not None:
+            retire = branching.abandoned_steps(self._dir, self._fork)
+            self._lineage = branching.amend_last_event(self._lineage, retired=retire)
+        if self._replay is not None:
+            self._share_replay()
+            self._lineage = branching.amend_last_event(
+                self._lineage, replay=self._replay.verdict.record()
+            )
         return retire
+
+    def _start_replay(self, resumed: int, saved_by: str | None, world: int, reset: list) -> None:
+        def build() -> ReplayCheck:
+            return ReplayCheck.from_file(self._dir.root, resumed, saved_by, world, reset)
+
+        check = collective.agree(build, only_rank0=True)
+        verdict = collective.from_rank0(check.verdict if check is not None else None)
+        self._replay = check if check is not None else ReplayCheck.passive(verdict)
+
+    def _share_replay(self) -> None:
+        """Every rank adopts rank 0's verdict (collective)."""
+        assert self._replay is not None
+        verdict = collective.from_rank0(self._replay.verdict)
+        if collective.rank() != 0:
+            self._replay = ReplayCheck.passive(verdict)
+
+    def _replay_decided(self, verdict: ReplayVerdict | None) -> None:
+        if verdict is not None:
+            self._metrics.append({"segment": self._metrics.segment, "replay": verdict.record()})
 
     def _apply_retention(self, newest: int) -> None:
         if self._keep_last is None:
