@@ -14,7 +14,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import manifest, tree
-from ..format.storage import MANIFEST, CheckpointDir
+from ..format.storage import MANIFEST, RETIRED, CheckpointDir
 from ..format.tensor_reader import tensor_nbytes
 
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -118,6 +118,15 @@ def summarize(folder: Path) -> CheckpointSummary:
         versions=dict(doc.get("versions", {})),
         lineage=list(doc["lineage"]),
     )
+
+
+def retired_checkpoints(path: str | Path) -> list[CheckpointSummary]:
+    """Checkpoints of abandoned branches kept aside in a run folder (``.retired-step_*``,
+    never listed or restored; see :mod:`unbroken.core.branching`), by step."""
+    path = Path(path)
+    if is_step_folder(path) and not path.name.startswith(RETIRED):
+        return []
+    return [summarize(folder) for _, folder in CheckpointDir(path).retired()]
 
 
 def component_skeletons(doc: dict[str, Any], name: str) -> list[Any]:
