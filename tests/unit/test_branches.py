@@ -151,3 +151,44 @@ def test_async_save_after_a_rollback_retires_once(ckpt_dir):
     fresh = Problem(seed=2)
     assert fresh.checkpointer(ckpt_dir).restore().step == 6
     assert_same_training_state(q, fresh)
+
+
+_CRASH_MIDWAY = """
+import os, sys
+sys.path.insert(0, sys.argv[2])
+from conftest import Problem
+
+real = os.rename
+
+def rename(src, dst):
+    if ".retired-step_00000005" in os.fspath(dst):
+        os._exit(3)  # killed between the two retirements, before the commit
+    return real(src, dst)
+
+os.rename = rename
+q = Problem(seed=1)
+ckpt = q.checkpointer(sys.argv[1], keep_last=None)
+ckpt.restore(step=4)
+q.step()
+ckpt.save(5)
+"""
+
+
+def test_crash_between_retirements_leaves_a_prefix_of_the_old_branch(ckpt_dir):
+    """A process killed after retiring step 6 but before retiring 5 (and before the
+    commit): steps are retired newest first, so 4 and 5 stay listed (a consistent prefix
+    of the old branch, as if the save had not started) and restore() resumes 5."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _run_to_6(ckpt_dir)
+    tests = str(Path(__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", _CRASH_MIDWAY, str(ckpt_dir), tests], env=env)
+    assert done.returncode == 3
+    fresh = Problem(seed=2)
+    ckpt = fresh.checkpointer(ckpt_dir)
+    assert ckpt.steps() == [4, 5] and _retired(ckpt_dir) == ["step_00000006"]
+    assert ckpt.restore().step == 5
+    ckpt.close()

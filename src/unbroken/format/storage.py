@@ -11,7 +11,8 @@ A save writes everything into a partial directory, writes ``manifest.json`` last
 renames the directory into place: the rename is the commit. A crash at any instant
 leaves either the old set of committed steps or the new one. The first save after a
 resume from an older step first renames the abandoned newer steps aside (retires them),
-then commits: a crash in between leaves the step resumed from as the newest.
+newest first, then commits: a crash in between leaves the old branch (or the step
+resumed from) the newest, as if the save had not started.
 """
 
 from __future__ import annotations
@@ -164,7 +165,9 @@ class CheckpointDir:
         returns (old, new) paths. Steps no longer committed are passed over.
         """
         moved = []
-        for s in steps:
+        # Newest first: a crash midway leaves a prefix of the old branch listed, which
+        # restores like a crash before this save.
+        for s in sorted(steps, reverse=True):
             path = self.step_path(s)
             if not (path / MANIFEST).is_file():
                 continue
