@@ -152,3 +152,16 @@ def test_reference_follows_later_resumes_of_the_same_line(ckpt_dir):
     _train(ckpt, q, start, 9)
     assert ckpt.replay.status == "identical" and ckpt.replay.compared_steps == 5
     ckpt.close()
+
+
+def test_a_damaged_metrics_file_never_fails_the_restore(ckpt_dir):
+    """A metrics.jsonl edited by hand (a value that is not a number) makes the check skip,
+    naming the file; the restore itself succeeds."""
+    _crashed_run(ckpt_dir)
+    lines = (ckpt_dir / "metrics.jsonl").read_text().splitlines()
+    lines[-1] = lines[-1].replace('"loss": ', '"loss": "low", "was": ')
+    (ckpt_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    _, ckpt, start = _resume(ckpt_dir)
+    assert start == 5 and ckpt.replay.status == "skipped"
+    assert "metrics.jsonl is unreadable" in ckpt.replay.reason
+    ckpt.close()

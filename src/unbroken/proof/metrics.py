@@ -131,7 +131,7 @@ class MetricLog:
                 self._write(line)
             except OSError as exc:
                 if not self._torn:
-                    logger.warning("cannot append to %s (%s); retried at the next save",
+                    logger.warning("cannot append to %s (%s); retried with the next line",
                                    self._root / FILE, exc)  # fmt: skip
                 self._drop_file()
 

@@ -105,7 +105,7 @@ class ReplayCheck:
         ``reset`` components started fresh on purpose."""
         try:
             reference, reason = _reference(root / FILE, from_step, saved_by, world_size)
-        except (OSError, UnicodeDecodeError) as exc:
+        except (OSError, ValueError, TypeError) as exc:  # never fail a restore over it
             reference, reason = {}, f"{root / FILE} is unreadable: {exc}"
         if reason is not None:
             verdict = ReplayVerdict(SKIPPED, from_step, reason=reason)
