@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .core import collective, restoring, saving
+from .core import branching, collective, restoring, saving
 from .core.staging import StagingBuffers
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.storage import CheckpointDir
@@ -26,6 +27,7 @@ from .live.state import Component, ModelComponent, StatefulComponent
 from .live.stopping import StopPolicy
 from .proof.metrics import MetricLog
 from .proof.monitor import HealthCheck
+from .proof.replay_check import ReplayCheck, ReplayVerdict
 from .report import RestoreReport
 
 logger = logging.getLogger(__name__)
@@ -96,7 +98,14 @@ class Checkpointer:
         self._lineage: list[dict[str, Any]] = [
             {"event": "start", "time": time.time(), "world_size": collective.world_size()}
         ]
-        self._metrics = MetricLog()
+        # Rank 0 appends every tracked step to metrics.jsonl; the lineage names its segment.
+        self._metrics = MetricLog(
+            self._dir.root if collective.rank() == 0 else None,
+            world_size=collective.world_size(),
+        )
+        self._lineage[0]["segment"] = self._metrics.segment
+        self._fork: int | None = None  # the step resumed from, until the first save commits
+        self._replay: ReplayCheck | None = None
         self._health: HealthCheck | None = None
         self._stop = StopPolicy(agree=collective.any_rank)
         self._closed = False
@@ -151,6 +160,8 @@ class Checkpointer:
         self._check_open()
         step = _as_step(step)
         record = probe.record(self._probe, self._model) if self._probe is not None else None
+        self.wait()
+        retire = self._note_branch_and_replay()
         request = saving.SaveRequest(
             step=step,
             components=self._components,
@@ -158,8 +169,8 @@ class Checkpointer:
             metrics=self._metrics.window(step, METRICS_WINDOW),
             probe=record,
             noted_per_rank=self._noted_per_rank,
+            retire=retire,
         )
-        self.wait()
         if not self._async:
             self._finish_save(saving.stage(request))
             return str(self._dir.step_path(step))
@@ -171,6 +182,7 @@ class Checkpointer:
 
     def _finish_save(self, staged: saving.Staged) -> None:
         saving.write(self._dir, staged)
+        self._fork = None  # the branch is committed; its abandoned steps are retired
         self._apply_retention(staged.request.step)
         self._flush_metrics()
 
@@ -231,6 +243,9 @@ class Checkpointer:
                     ) from exc
                 logger.warning("checkpoint of step %d is damaged, trying an older one", chosen)
         report.warnings[:0] = skipped
+        # The metrics segment that saved the checkpoint: the replay check's reference.
+        saved_by = doc["lineage"][-1].get("segment") if doc["lineage"] else None
+        self._metrics.load_window(doc.get("metrics", []), resumed_from=chosen, parent=saved_by)
         self._lineage = [
             *doc["lineage"],
             {
@@ -239,9 +254,11 @@ class Checkpointer:
                 "time": time.time(),
                 "world_size": world,
                 "reset": sorted(reset_set),
+                "segment": self._metrics.segment,
             },
         ]
-        self._metrics.load_window(doc.get("metrics", []), resumed_from=chosen)
+        self._fork = chosen  # newer committed steps are retired by the first save
+        self._start_replay(chosen, saved_by, world, sorted(reset_set))
         self._health = HealthCheck(self._metrics.values, chosen)
         if collective.rank() == 0:
             logger.info("%s", report)
@@ -256,14 +273,28 @@ class Checkpointer:
         """
         step = _as_step(step)
         self._metrics.track(step, metrics)
+        values = self._metrics.values[step]
         if self._health is not None:
-            for warning in self._health.observe(step, self._metrics.values[step]):
+            for warning in self._health.observe(step, values):
                 self._metrics.note(step, warning)
+        if self._replay is not None:
+            self._replay_decided(self._replay.observe(step, values))
+
+    @property
+    def replay(self) -> ReplayVerdict | None:
+        """The replay check of the last resume (None without one): steps the earlier run
+        had tracked after the restored checkpoint, compared bit for bit as they are
+        tracked again. Decided on rank 0 (which records metrics); other ranks receive its
+        verdict at each ``save()`` and at ``close()``."""
+        return dataclasses.replace(self._replay.verdict) if self._replay is not None else None
 
     @property
     def warnings(self) -> list[str]:
-        """Health-check warnings about the last resume (empty when it looks right)."""
-        return list(self._health.warnings) if self._health is not None else []
+        """Warnings about the last resume: the health check's, and a replay difference."""
+        found = list(self._health.warnings) if self._health is not None else []
+        if self.replay is not None and self.replay.identical is False:
+            found.append(str(self.replay))
+        return found
 
     def should_stop(self, step: int) -> bool:
         """True on every rank once SIGTERM/SIGUSR1 arrived, or at ``UNBROKEN_STOP_AT``."""
@@ -276,8 +307,12 @@ class Checkpointer:
         self._closed = True
         try:
             self.wait()
+            if self._replay is not None:
+                self._replay_decided(self._replay.finish())
+                self._share_replay()
             self._flush_metrics()
         finally:
+            self._metrics.close()
             self._dir.finish_removals()
             self._stop.close()
             if self._executor is not None:
@@ -294,7 +329,41 @@ class Checkpointer:
             raise CheckpointError("this Checkpointer is closed")
 
     def _flush_metrics(self) -> None:
-        collective.agree(lambda: self._metrics.flush(self._dir.root), only_rank0=True)
+        collective.agree(self._metrics.flush, only_rank0=True)
+
+    def _note_branch_and_replay(self) -> list[int]:
+        """Before a save (collective): the abandoned steps this save retires, if it is the
+        first since a resume from an older step, and the replay verdict so far, both in
+        the resume event of the lineage (core/branching.py, proof/replay_check.py)."""
+        retire: list[int] = []
+        if self._fork is not None:
+            retire = branching.abandoned_steps(self._dir, self._fork)
+            self._lineage = branching.amend_last_event(self._lineage, retired=retire)
+        if self._replay is not None:
+            self._share_replay()
+            self._lineage = branching.amend_last_event(
+                self._lineage, replay=self._replay.verdict.record()
+            )
+        return retire
+
+    def _start_replay(self, resumed: int, saved_by: str | None, world: int, reset: list) -> None:
+        def build() -> ReplayCheck:
+            return ReplayCheck.from_file(self._dir.root, resumed, saved_by, world, reset)
+
+        check = collective.agree(build, only_rank0=True)
+        verdict = collective.from_rank0(check.verdict if check is not None else None)
+        self._replay = check if check is not None else ReplayCheck.passive(verdict)
+
+    def _share_replay(self) -> None:
+        """Every rank adopts rank 0's verdict (collective)."""
+        assert self._replay is not None
+        verdict = collective.from_rank0(self._replay.verdict)
+        if collective.rank() != 0:
+            self._replay = ReplayCheck.passive(verdict)
+
+    def _replay_decided(self, verdict: ReplayVerdict | None) -> None:
+        if verdict is not None:
+            self._metrics.append({"segment": self._metrics.segment, "replay": verdict.record()})
 
     def _apply_retention(self, newest: int) -> None:
         if self._keep_last is None:

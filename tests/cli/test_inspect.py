@@ -131,3 +131,40 @@ def test_fsdp_checkpoint(fsdp_run):
     assert {c["name"] for c in info["components"]} == {"model", "optimizer", "rng"}
     assert len(info["optimizer"]["params"]) == len([k for k in tensors if k.startswith("model/")])
     assert all(p["step"] == 3.0 for p in info["optimizer"]["params"])
+
+
+def test_shows_the_branch_and_the_retired_checkpoints(tmp_path):
+    """After a rollback (save 4, 5, 6; restore 4; save 5'), the listing shows the newest
+    lineage as a branch (resumed from 4, retired 5 and 6, the replay verdict) and lists the
+    retired checkpoints kept aside, in both the table and --json."""
+    from conftest import Problem
+
+    p = Problem()
+    ckpt = p.checkpointer(tmp_path, keep_last=None)
+    for step in range(1, 7):
+        ckpt.track(step, loss=p.step())
+        if step >= 4:
+            ckpt.save(step)
+    ckpt.close()
+    q = Problem(seed=1)
+    ckpt = q.checkpointer(tmp_path, keep_last=None)
+    ckpt.restore(step=4)
+    for step in (5, 6):
+        ckpt.track(step, loss=q.step())
+    ckpt.save(6)
+    ckpt.close()
+
+    info = run_json("inspect", tmp_path)
+    assert [c["step"] for c in info["checkpoints"]] == [4, 6]
+    assert [(r["step"], r["path"].split("/")[-1][:22]) for r in info["retired"]] == [
+        (5, ".retired-step_00000005"),
+        (6, ".retired-step_00000006"),
+    ]
+    resume = info["branch"][-1]
+    assert (resume["from_step"], resume["retired"]) == (4, [5, 6])
+    assert resume["replay"]["status"] == "identical"
+    human = run_cli("inspect", tmp_path)
+    assert human.exit_code == 0, human.stderr
+    out = " ".join(human.stdout.split())
+    assert "resume from 4" in out and "retired 5, 6" in out and "replay identical" in out
+    assert "retired checkpoints" in out and ".retired-step_00000006" in out

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import Problem
-from unbroken.proof import monitor
+from unbroken.proof import metrics, monitor
 from unbroken.proof.metrics import read_series
 
 
@@ -50,6 +50,54 @@ def test_window_goes_into_the_manifest(ckpt_dir):
     doc = json.loads((ckpt_dir / "step_00000004" / "manifest.json").read_text())
     assert [m["step"] for m in doc["metrics"]] == [1, 2, 3, 4]
     assert doc["metrics"][0]["grad_norm"] == 1.0
+
+
+def test_tracked_steps_are_on_disk_before_any_save_or_close(ckpt_dir):
+    """Durability: every tracked step is appended as it is tracked (flushed, not fsynced),
+    so the steps after the last save survive a crash of the process (it never saves
+    again nor closes)."""
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir)
+    for step in range(1, 9):
+        ckpt.track(step, loss=p.step(), grad_norm=torch.tensor(float(step)))
+        if step == 3:
+            assert read_series(ckpt_dir).steps("loss") == [1, 2, 3]  # before any save
+        if step == 5:
+            ckpt.save(step)
+    series = read_series(ckpt_dir)  # nothing closed, nothing saved after step 5
+    assert series.steps("loss") == series.steps("grad_norm") == list(range(1, 9))
+    assert [v for _, v in series.values["grad_norm"]] == [float(s) for s in range(1, 9)]
+
+
+def test_a_failed_append_is_retried_and_never_tears_the_series(ckpt_dir, monkeypatch):
+    """An append that fails (a full disk) is logged, not raised in the training loop; the
+    lines are written by the next append, after a newline that ends any torn line."""
+    ckpt = Problem().checkpointer(ckpt_dir)
+    ckpt.track(1, loss=1.0)
+    real = ckpt._metrics._file.write
+    calls = []
+
+    def full_disk(text):
+        calls.append(text)
+        real(text[:7])  # half a line reached the file
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt._metrics._file, "write", full_disk)
+    ckpt.track(2, loss=2.0)  # no error here
+    assert calls
+    ckpt.track(3, loss=3.0)  # a fresh file handle: written
+    assert read_series(ckpt_dir).steps("loss") == [1, 2, 3]
+    ckpt.close()
+
+
+def test_step_lines_are_the_json_of_the_record():
+    """The per-step line track() writes (formatted by hand for speed) is exactly
+    json.dumps of the record: non-finite values as strings, odd names escaped, -0.0 kept."""
+    values = {"loss": 0.1, "tiny": 1e-300, "zero": -0.0, "nan": math.nan, "inf": -math.inf,
+              'we"ird\\ name': 3.0, "\u00e9": 5e20}  # fmt: skip
+    record = {"segment": "abc", "step": 7, "metrics": {k: metrics._json_value(v)
+                                                        for k, v in values.items()}}  # fmt: skip
+    assert metrics._step_line("abc", 7, values) == json.dumps(record, allow_nan=False)
 
 
 def test_track_refuses_non_scalars(ckpt_dir):

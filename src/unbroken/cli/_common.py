@@ -125,13 +125,25 @@ def when(unix: float | None) -> str:
 
 def lineage_text(lineage: list[dict[str, Any]]) -> str:
     """``start (ws 2) -> resume from 200 (ws 1, reset rng)``."""
-    parts = []
-    for event in lineage:
-        kind = event.get("event", "?")
-        ws = event.get("world_size")
-        detail = [f"ws {ws}"] if ws is not None else []
-        if event.get("reset"):
-            detail.append("reset " + ",".join(event["reset"]))
-        label = f"resume from {event.get('from_step')}" if kind == "resume" else str(kind)
-        parts.append(label + (f" ({', '.join(detail)})" if detail else ""))
-    return " -> ".join(parts) or "-"
+    return " -> ".join(event_text(event) for event in lineage) or "-"
+
+
+def event_text(event: dict[str, Any]) -> str:
+    """``resume from 4 (ws 1, reset rng; retired 5, 6; replay identical)``: one lineage
+    event, with the abandoned steps it retired and its replay verdict."""
+    kind = event.get("event", "?")
+    ws = event.get("world_size")
+    detail = [f"ws {ws}"] if ws is not None else []
+    if event.get("reset"):
+        detail.append("reset " + ",".join(event["reset"]))
+    notes = [", ".join(detail)] if detail else []
+    if event.get("retired"):
+        notes.append("retired " + ", ".join(map(str, event["retired"])))
+    replay = event.get("replay")
+    if isinstance(replay, dict):
+        status = replay.get("status", "?")
+        if status == "different":
+            status = f"DIFFERENT at step {replay.get('step')} ({replay.get('metric')})"
+        notes.append(f"replay {status}")
+    label = f"resume from {event.get('from_step')}" if kind == "resume" else str(kind)
+    return label + (f" ({'; '.join(notes)})" if notes else "")

@@ -17,6 +17,7 @@ from ..tools.inspection import (
     components_of,
     is_step_folder,
     locate,
+    retired_checkpoints,
     step_folders,
     summarize,
     tensors_of,
@@ -26,6 +27,7 @@ from ._common import (
     JsonOption,
     StepOption,
     emit_json,
+    event_text,
     guard,
     human_bytes,
     lineage_text,
@@ -68,8 +70,12 @@ def inspect_command(
 
 def _list(path: Path, as_json: bool) -> None:
     summaries = [summarize(folder) for folder in step_folders(path, damaged=True)]
+    sound = [s for s in summaries if not s.error]
+    newest = sound[-1] if sound else None
+    retired = retired_checkpoints(path)
     if as_json:
-        emit_json({"path": str(path), "checkpoints": summaries})
+        emit_json({"path": str(path), "checkpoints": summaries,
+                   "branch": newest.lineage if newest else [], "retired": retired})  # fmt: skip
     else:
         table = Table(title=f"committed checkpoints in {path}")
         for col in ("step", "created", "size", "world", "torch", "unbroken", "lineage"):
@@ -89,8 +95,34 @@ def _list(path: Path, as_json: bool) -> None:
                 lineage_text(s.lineage),
             )
         stdout().print(table)
+        _print_branch(newest, retired)
     if any(s.error and s.committed for s in summaries):  # verify fails on the others
         raise typer.Exit(EXIT_FAILED)
+
+
+def _print_branch(newest, retired) -> None:
+    """The newest lineage as a branch (what restore() resumes), and the retired steps."""
+    console = stdout()
+    if newest is not None and len(newest.lineage) > 1:
+        console.print(
+            f"history of step {newest.step} (the newest lineage, what restore() resumes):"
+        )
+        for depth, event in enumerate(newest.lineage):
+            console.print("  " + "   " * (depth - 1) + ("└─ " if depth else "") +
+                          escape(event_text(event)))  # fmt: skip
+    if retired:
+        console.print("retired checkpoints (abandoned branches: never listed or restored; "
+                      "delete them when no longer needed):")  # fmt: skip
+        table = Table()
+        table.add_column("step", justify="right")
+        table.add_column("size", justify="right", no_wrap=True)
+        table.add_column("folder", no_wrap=True)
+        table.add_column("lineage", overflow="fold")
+        for r in retired:
+            lineage = r.error or lineage_text(r.lineage)
+            table.add_row(str(r.step), human_bytes(r.size_bytes), escape(Path(r.path).name),
+                          escape(lineage))  # fmt: skip
+        console.print(table)
 
 
 def _detail(folder: Path, as_json: bool) -> None:

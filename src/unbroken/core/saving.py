@@ -43,6 +43,8 @@ class SaveRequest:
     probe: dict[str, Any] | None  # this rank's probe record
     # shared components already reported as saved per rank (warned once, then kept quiet)
     noted_per_rank: set[str] = dataclasses.field(default_factory=set)
+    # Committed steps of an abandoned branch, retired just before this save's commit.
+    retire: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -215,7 +217,7 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
     def commit() -> Path:
         body = _manifest_body(request, staged, writer, gathered)
         manifest.write(partial, body)
-        return ckdir.commit(partial, request.step)
+        return ckdir.commit(partial, request.step, retire=request.retire)
 
     final = collective.agree(commit, only_rank0=True)
     return Path(collective.from_rank0(str(final) if final else None))

@@ -5,10 +5,14 @@
     DIR/step_00000200/          a committed checkpoint (it has manifest.json)
     DIR/.partial-<step>-<id>/   a save in progress: never listed, never loaded
     DIR/.trash-<step>-<id>/     a checkpoint being deleted: never listed
+    DIR/.retired-<step>-<id>/   a checkpoint of an abandoned branch: never listed, kept
 
 A save writes everything into a partial directory, writes ``manifest.json`` last, then
 renames the directory into place: the rename is the commit. A crash at any instant
-leaves either the old set of committed steps or the new one.
+leaves either the old set of committed steps or the new one. The first save after a
+resume from an older step first renames the abandoned newer steps aside (retires them),
+newest first, then commits: a crash in between leaves the old branch (or the step
+resumed from) the newest, as if the save had not started.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import shutil
 import socket
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -32,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
+RETIRED = ".retired-"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _FOREIGN_MARKERS = (".metadata", ".distcp", ".pt", ".pth", ".ckpt", ".safetensors", ".bin")
 
@@ -147,8 +152,20 @@ class CheckpointDir:
         path.mkdir()
         return path
 
-    def commit(self, partial: Path, step: int) -> Path:
-        """Make ``partial`` the committed checkpoint of ``step`` (atomic rename)."""
+    def commit(self, partial: Path, step: int, *, retire: Sequence[int] = ()) -> Path:
+        """Make ``partial`` the committed checkpoint of ``step`` (atomic rename).
+
+        ``retire``: committed steps of an abandoned branch, renamed aside first (see
+        :meth:`retire`); if the commit then fails, they are put back.
+        """
+        retired = self.retire(retire)
+        try:
+            return self._commit(partial, step)
+        except BaseException:
+            self._unretire(retired)
+            raise
+
+    def _commit(self, partial: Path, step: int) -> Path:
         final = self.step_path(step)
         trash = None
         if final.exists():
@@ -162,6 +179,47 @@ class CheckpointDir:
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         return final
+
+    def retire(self, steps: Sequence[int]) -> list[tuple[Path, Path]]:
+        """Unlist committed ``steps`` by renaming them to ``.retired-step_*-<id>``.
+
+        They are kept (never listed, loaded or cleaned up) so nothing is lost silently;
+        returns (old, new) paths. Steps no longer committed are passed over.
+        """
+        moved = []
+        # Newest first: a crash midway leaves a prefix of the old branch listed, which
+        # restores like a crash before this save.
+        for s in sorted(steps, reverse=True):
+            path = self.step_path(s)
+            if not (path / MANIFEST).is_file():
+                continue
+            aside = self.root / f"{RETIRED}{path.name}-{uuid.uuid4().hex[:12]}"
+            os.rename(path, aside)
+            moved.append((path, aside))
+        if moved:
+            _fsync_dir(self.root)  # unlisted before the new branch's commit is visible
+            logger.warning(
+                "retired %s of an abandoned branch: kept as %s",
+                ", ".join(path.name for path, _ in moved),
+                ", ".join(aside.name for _, aside in moved),
+            )
+        return moved
+
+    def _unretire(self, moved: list[tuple[Path, Path]]) -> None:
+        for path, aside in reversed(moved):
+            with contextlib.suppress(OSError):
+                os.rename(aside, path)
+
+    def retired(self) -> list[tuple[int, Path]]:
+        """Checkpoints retired from abandoned branches: (step, folder), by step."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            m = _STEP_RE.match(entry.name.removeprefix(RETIRED).rsplit("-", 1)[0])
+            if entry.name.startswith(RETIRED) and m and entry.is_dir():
+                found.append((int(m.group(1)), entry))
+        return sorted(found)
 
     def remove(self, step: int) -> None:
         """Delete a committed checkpoint: un-list it atomically first, then delete its

@@ -1,16 +1,20 @@
-"""Tracked metrics: kept in memory, written with each save, readable as one series.
+"""Tracked metrics: kept in memory, appended as tracked, readable as one series.
 
-Rank 0 appends to ``DIR/metrics.jsonl`` at every save and at ``close()``: a segment
-header when a Checkpointer starts (with the step it resumed from), then one line per
-tracked step. Reading replays the file in order: a segment that resumed from step R
-drops every later step of the timelines before it, and a replayed step replaces the old
-value, so the series has no duplicates and follows the timeline that survived.
+Rank 0 appends to ``DIR/metrics.jsonl`` as it tracks (fsynced at every save and at
+``close()``): a segment header when a Checkpointer starts (with the step it resumed from,
+the segment that saved that checkpoint, and the world size), then one line per tracked
+step; health-check warnings and the replay check's verdict have lines of their own.
+Reading replays the file in order: a segment that resumed from step R drops every later
+step of the timelines before it, and a replayed step replaces the old value, so the series
+has no duplicates and follows the timeline that survived.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import threading
@@ -22,6 +26,7 @@ from typing import Any
 import torch
 
 FILE = "metrics.jsonl"
+logger = logging.getLogger(__name__)
 
 
 def as_float(name: str, value: float | torch.Tensor) -> float:
@@ -44,73 +49,152 @@ def _from_json(x: float | str) -> float:
     return float(x)
 
 
-class MetricLog:
-    """The tracked metrics of one Checkpointer (one segment of a run)."""
+_KEYS: dict[str, str] = {}  # metric name -> its JSON string
 
-    def __init__(self) -> None:
+
+def _step_line(segment: str, step: int, values: dict[str, float]) -> str:
+    """``json.dumps({"segment", "step", "metrics"})``, byte for byte, at a third of its
+    cost (track() writes one per step): floats use the same ``repr`` JSON does."""
+    parts = []
+    for name, v in values.items():
+        key = _KEYS.get(name)
+        if key is None:
+            key = _KEYS.setdefault(name, json.dumps(name))
+        parts.append(f"{key}: {v!r}" if math.isfinite(v) else f'{key}: "{v!r}"')
+    return f'{{"segment": "{segment}", "step": {step}, "metrics": {{{", ".join(parts)}}}}}'
+
+
+class MetricLog:
+    """The tracked metrics of one Checkpointer (one segment of a run).
+
+    With a ``root`` (rank 0's log), every tracked step is appended to
+    ``root/metrics.jsonl`` as it is tracked: one buffered line and a flush, no fsync, so
+    a crash of the process loses nothing tracked (a power loss may lose what the OS had
+    not written yet); :meth:`flush`, at each save and at close, fsyncs. Without a root
+    (the other ranks) the values stay in memory. Thread-safe: a background save may
+    flush while the training loop tracks.
+    """
+
+    def __init__(self, root: Path | None = None, *, world_size: int = 1) -> None:
         self.values: dict[int, dict[str, float]] = {}
         self.segment = uuid.uuid4().hex[:12]
         self.resumed_from: int | None = None
-        self._flushed: set[int] = set()
-        self._header_written = False
-        self._notes: list[dict[str, Any]] = []
+        self.parent: str | None = None  # the segment that saved the checkpoint resumed
+        self.world_size = world_size
+        self._root = root
+        self._file: Any = None
+        self._unwritten: list[dict[str, Any] | str] = []  # lines a failed write left behind
+        self._torn = False  # a failed write may have left half a line in the file
+        self._header_queued = False
         # track() runs in the training loop while a background save may flush.
         self._lock = threading.Lock()
 
     def note(self, step: int, warning: str) -> None:
-        """Keep a health-check warning with the series (written at the next flush)."""
-        self._notes.append({"segment": self.segment, "step": step, "warning": warning})
+        """Keep a health-check warning with the series."""
+        self.append({"segment": self.segment, "step": step, "warning": warning})
 
     def track(self, step: int, metrics: dict[str, float | torch.Tensor]) -> None:
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {step!r}")
         values = {k: as_float(k, v) for k, v in metrics.items()}
-        with self._lock:
-            self.values[step] = values
-            self._flushed.discard(step)
+        self.values[step] = values
+        if self._root is not None:
+            self.append(_step_line(self.segment, step, values))
 
     def window(self, upto: int, size: int) -> list[dict[str, Any]]:
-        with self._lock:
-            steps = sorted(s for s in self.values if s <= upto)[-size:]
+        steps = sorted(s for s in list(self.values) if s <= upto)[-size:]
         return [
             {"step": s, **{k: _json_value(v) for k, v in self.values[s].items()}} for s in steps
         ]
 
-    def load_window(self, records: list[dict[str, Any]], resumed_from: int) -> None:
+    def load_window(
+        self, records: list[dict[str, Any]], resumed_from: int, parent: str | None = None
+    ) -> None:
+        """Start the segment of a resume: the saved window, and where it resumed from."""
         self.values = {
             r["step"]: {k: _from_json(v) for k, v in r.items() if k != "step"} for r in records
         }
-        self._flushed = set(self.values)  # already in the file, from the earlier segment
+        with self._lock:
+            if self._header_queued:  # steps were tracked before the restore: a new segment
+                self.segment = uuid.uuid4().hex[:12]
+                self._header_queued = False
         self.resumed_from = resumed_from
+        self.parent = parent
 
-    def flush(self, root: Path) -> None:
-        """Append unwritten steps to ``root/metrics.jsonl`` (rank 0 only)."""
-        with self._lock:
-            pending = sorted(s for s in self.values if s not in self._flushed)
-            records = {s: dict(self.values[s]) for s in pending}
-            notes, self._notes = self._notes, []
-        if not pending and not notes:
+    def append(self, line: dict[str, Any] | str) -> None:
+        """Append one line (a dict, or its JSON) now (rank 0); an I/O error is logged and
+        the line written with the next one."""
+        if self._root is None:
             return
-        lines = []
-        if not self._header_written:
-            header = {
-                "segment": self.segment,
-                "resumed_from": self.resumed_from,
-                "time": time.time(),
-            }
-            lines.append(header)
-        for s in pending:
-            values = {k: _json_value(v) for k, v in records[s].items()}
-            lines.append({"segment": self.segment, "step": s, "metrics": values})
-        lines.extend(notes)
-        root.mkdir(parents=True, exist_ok=True)
-        with open(root / FILE, "a", encoding="utf-8") as f:
-            f.write("".join(json.dumps(line, allow_nan=False) + "\n" for line in lines))
-            f.flush()
-            os.fsync(f.fileno())
-        self._header_written = True
         with self._lock:
-            self._flushed.update(pending)
+            try:
+                self._write(line)
+            except OSError as exc:
+                if not self._torn:
+                    logger.warning("cannot append to %s (%s); retried with the next line",
+                                   self._root / FILE, exc)  # fmt: skip
+                self._drop_file()
+
+    def flush(self) -> None:
+        """Write what a failed append left behind and fsync the file (rank 0 only)."""
+        if self._root is None:
+            return
+        with self._lock:
+            if not self._header_queued:
+                return  # nothing tracked: no file
+            try:
+                if self._unwritten or self._file is None:
+                    self._write(None)
+                fd = os.dup(self._file.fileno())
+            except OSError:
+                self._drop_file()
+                raise
+        try:
+            os.fsync(fd)  # outside the lock: track() need not wait for the disk
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+    def _write(self, line: dict[str, Any] | str | None) -> None:
+        if not self._header_queued:
+            self._header_queued = True
+            self._unwritten.append(
+                {
+                    "segment": self.segment,
+                    "resumed_from": self.resumed_from,
+                    "parent": self.parent,
+                    "world_size": self.world_size,
+                    "time": time.time(),
+                }
+            )
+        if line is not None:
+            self._unwritten.append(line)
+        if self._file is None:
+            assert self._root is not None
+            self._root.mkdir(parents=True, exist_ok=True)
+            self._file = open(self._root / FILE, "a", encoding="utf-8")  # noqa: SIM115
+        # After a failed write, a newline ends any torn line (readers skip the fragment).
+        text = "\n" if self._torn else ""
+        text += "".join(
+            (x if isinstance(x, str) else json.dumps(x, allow_nan=False)) + "\n"
+            for x in self._unwritten
+        )
+        self._file.write(text)
+        self._file.flush()
+        self._unwritten = []
+        self._torn = False
+
+    def _drop_file(self) -> None:
+        self._torn = True
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
 
 
 @dataclasses.dataclass

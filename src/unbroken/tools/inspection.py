@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format import manifest, tree
-from ..format.storage import MANIFEST, CheckpointDir, folder_step
+from ..format.storage import MANIFEST, RETIRED, CheckpointDir, folder_step
 from ..format.tensor_reader import tensor_nbytes
 
 
@@ -131,6 +131,15 @@ def summarize(folder: Path) -> CheckpointSummary:
         versions=dict(doc.get("versions", {})),
         lineage=list(doc["lineage"]),
     )
+
+
+def retired_checkpoints(path: str | Path) -> list[CheckpointSummary]:
+    """Checkpoints of abandoned branches kept aside in a run folder (``.retired-step_*``,
+    never listed or restored; see :mod:`unbroken.core.branching`), by step."""
+    path = Path(path)
+    if is_step_folder(path) and not path.name.startswith(RETIRED):
+        return []
+    return [summarize(folder) for _, folder in CheckpointDir(path).retired()]
 
 
 def component_skeletons(doc: dict[str, Any], name: str) -> list[Any]:

@@ -1,0 +1,167 @@
+"""Replay check: steps a resumed run recomputes are compared bit for bit with the ones the
+earlier run recorded (proof/replay_check.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from conftest import Problem
+
+
+def _train(ckpt, p, start, upto, *, save_at=(), nan_at=None):
+    for step in range(start, upto):
+        loss = p.step()
+        if step + 1 == nan_at:
+            loss = float("nan")
+        ckpt.track(step + 1, loss=loss, weight_norm=p.model.inp.weight.norm())
+        if step + 1 in save_at:
+            ckpt.save(step + 1)
+
+
+def _crashed_run(ckpt_dir, *, upto=8, save_at=(5,), nan_at=None):
+    """Tracks every step up to ``upto``, saves at ``save_at``, then "crashes": the objects
+    are dropped without save() or close()."""
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir, keep_last=None)
+    ckpt.restore()
+    _train(ckpt, p, 0, upto, save_at=save_at, nan_at=nan_at)
+    del ckpt
+
+
+def _resume(ckpt_dir, **restore_kwargs):
+    q = Problem(seed=1)
+    ckpt = q.checkpointer(ckpt_dir, keep_last=None)
+    start = ckpt.restore(**restore_kwargs).step
+    return q, ckpt, start
+
+
+def test_crash_after_the_last_save_replays_identically(ckpt_dir, caplog):
+    """Crash after the last save: the resumed run recomputes steps 6..8, which match the
+    recorded ones bit for bit; the verdict is logged, kept in metrics.jsonl and in the
+    next manifest's lineage."""
+    _crashed_run(ckpt_dir)
+    q, ckpt, start = _resume(ckpt_dir)
+    assert start == 5 and ckpt.replay.status == "pending" and ckpt.replay.recorded_steps == 3
+    with caplog.at_level(logging.INFO, logger="unbroken"):
+        _train(ckpt, q, start, 8)
+    verdict = ckpt.replay
+    assert verdict.identical is True and verdict.status == "identical"
+    assert (verdict.compared_steps, verdict.first_difference, verdict.step) == (3, None, None)
+    assert any("identical" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
+    assert ckpt.warnings == []
+    ckpt.save(8)
+    ckpt.close()
+    event = json.loads((ckpt_dir / "step_00000008" / "manifest.json").read_text())["lineage"][-1]
+    assert event["event"] == "resume" and event["replay"]["status"] == "identical"
+    lines = [json.loads(x) for x in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]
+    (recorded,) = [x["replay"] for x in lines if "replay" in x]
+    assert recorded["status"] == "identical" and recorded["compared_steps"] == 3
+
+
+def test_reset_optimizer_is_caught_at_the_first_replayed_step(ckpt_dir, caplog):
+    """A deliberately wrong resume (a fresh optimizer): the first differing step and metric
+    are named, loudly (a warning and ckpt.warnings)."""
+    _crashed_run(ckpt_dir)
+    q, ckpt, start = _resume(ckpt_dir, reset={"optimizer"})
+    with caplog.at_level(logging.WARNING, logger="unbroken"):
+        _train(ckpt, q, start, 8)
+    verdict = ckpt.replay
+    assert verdict.identical is False and verdict.status == "different"
+    # The loss of step 6 is computed before the first optimizer step: still identical.
+    assert (verdict.step, verdict.metric) == (6, "weight_norm")
+    assert verdict.compared_steps == 1
+    (warned,) = [r.getMessage() for r in caplog.records if "replay check" in r.getMessage()]
+    assert "DIFFERENT at step 6, metric 'weight_norm'" in warned
+    assert "started optimizer fresh (reset)" in warned  # says why it is expected
+    assert any("DIFFERENT at step 6" in w for w in ckpt.warnings)
+    ckpt.close()
+
+
+def test_a_perturbed_weight_is_caught(ckpt_dir):
+    """A weight perturbed after the restore (by 1e-5 of itself) changes the very first
+    replayed loss."""
+    _crashed_run(ckpt_dir)
+    q, ckpt, start = _resume(ckpt_dir)
+    with torch.no_grad():
+        q.model.out.weight[0, 0] *= 1 + 1e-5
+    _train(ckpt, q, start, 8)
+    assert (ckpt.replay.status, ckpt.replay.step, ckpt.replay.metric) == ("different", 6, "loss")
+    assert "recorded" in ckpt.replay.first_difference
+    ckpt.close()
+
+
+def test_nan_equals_nan(ckpt_dir):
+    """A NaN recorded and a NaN replayed at the same step are the same value."""
+    _crashed_run(ckpt_dir, nan_at=7)
+    q, ckpt, start = _resume(ckpt_dir)
+    _train(ckpt, q, start, 8, nan_at=7)
+    assert ckpt.replay.identical is True and ckpt.replay.compared_steps == 3
+    ckpt.close()
+
+
+def test_rollback_compares_against_the_abandoned_branch_and_close_decides(ckpt_dir):
+    """restore(step=3) with steps 4..8 recorded: the replayed steps are compared as they
+    come; a run that closes halfway through the range gets its verdict at close()."""
+    _crashed_run(ckpt_dir, save_at=(3, 5))
+    q, ckpt, start = _resume(ckpt_dir, step=3)
+    assert ckpt.replay.recorded_steps == 5
+    _train(ckpt, q, start, 6)
+    assert ckpt.replay.status == "pending" and ckpt.replay.compared_steps == 3
+    ckpt.close()
+    assert ckpt.replay.status == "identical" and ckpt.replay.compared_steps == 3
+
+
+def test_nothing_recorded_after_the_checkpoint(ckpt_dir):
+    """A run that stopped right at its save leaves nothing to replay: status "none"."""
+    _crashed_run(ckpt_dir, upto=5)
+    q, ckpt, start = _resume(ckpt_dir)
+    _train(ckpt, q, start, 7)
+    assert ckpt.replay.status == "none" and ckpt.replay.identical is None
+    ckpt.close()
+
+
+def test_reference_only_from_runs_continuing_from_the_restored_checkpoint(ckpt_dir):
+    """Run A saves 2 and 4 and tracks to 8; run B resumes from 2, trains differently and
+    dies unsaved. Restoring 4 compares against A's steps 5..8 (which continued from 4),
+    never B's (which forked at 2), although B's are the newest lines in metrics.jsonl."""
+    _crashed_run(ckpt_dir, save_at=(2, 4))
+    q, ckpt, start = _resume(ckpt_dir, step=2)
+    torch.manual_seed(99)  # other data
+    _train(ckpt, q, start, 5)
+    del ckpt
+    q, ckpt, start = _resume(ckpt_dir, step=4)
+    assert ckpt.replay.recorded_steps == 4
+    _train(ckpt, q, start, 8)
+    assert ckpt.replay.status == "identical" and ckpt.replay.compared_steps == 4
+    ckpt.close()
+
+
+def test_reference_follows_later_resumes_of_the_same_line(ckpt_dir):
+    """Run A saves 4 and 6 and stops at 6; run B resumes from 6 and tracks 7..9 before it
+    dies. Restoring 4 compares 5..6 (A's) and 7..9 (B's, which continued A's line)."""
+    _crashed_run(ckpt_dir, upto=6, save_at=(4, 6))
+    q, ckpt, start = _resume(ckpt_dir)
+    assert start == 6 and ckpt.replay.status == "none"
+    _train(ckpt, q, start, 9)
+    del ckpt
+    q, ckpt, start = _resume(ckpt_dir, step=4)
+    assert ckpt.replay.recorded_steps == 5
+    _train(ckpt, q, start, 9)
+    assert ckpt.replay.status == "identical" and ckpt.replay.compared_steps == 5
+    ckpt.close()
+
+
+def test_a_damaged_metrics_file_never_fails_the_restore(ckpt_dir):
+    """A metrics.jsonl edited by hand (a value that is not a number) makes the check skip,
+    naming the file; the restore itself succeeds."""
+    _crashed_run(ckpt_dir)
+    lines = (ckpt_dir / "metrics.jsonl").read_text().splitlines()
+    lines[-1] = lines[-1].replace('"loss": ', '"loss": "low", "was": ')
+    (ckpt_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    _, ckpt, start = _resume(ckpt_dir)
+    assert start == 5 and ckpt.replay.status == "skipped"
+    assert "metrics.jsonl is unreadable" in ckpt.replay.reason
+    ckpt.close()
