@@ -6,24 +6,21 @@ import dataclasses
 import logging
 import os
 import time
+import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .core import branching, collective, restoring, saving
+from .core import branching, collective, resuming, retention, saving
 from .core.staging import StagingBuffers
-from .errors import CheckpointError, CorruptCheckpointError
+from .errors import CheckpointError
 from .format.storage import CheckpointDir
 from .live import probe
-from .live.dataloader import dataloader_component
-from .live.optimizer import OptimizerComponent
-from .live.rng import RNGState
-from .live.state import Component, ModelComponent, StatefulComponent
+from .live.components import as_step, build_components
 from .live.stopping import StopPolicy
 from .proof.metrics import MetricLog
 from .proof.monitor import HealthCheck
@@ -32,7 +29,6 @@ from .report import RestoreReport
 
 logger = logging.getLogger(__name__)
 
-BUILTIN_COMPONENTS = ("model", "optimizer", "scheduler", "dataloader", "rng")
 METRICS_WINDOW = 200
 
 
@@ -61,6 +57,10 @@ class Checkpointer:
             buffers (one extra copy of the state in memory); writing, fingerprinting and
             the commit run in a background thread. One save is in flight at a time: the
             next ``save()``, ``restore()`` or ``close()`` waits for it and raises its error.
+        overwrite: the committed checkpoints already in ``path`` belong to a run this one
+            replaces: ``restore()`` ignores them and the first save retires them (kept
+            aside as ``.retired-step_*``, nothing deleted). Without it, saving into a
+            folder holding another run's checkpoints without restoring raises.
 
     Example::
 
@@ -84,6 +84,7 @@ class Checkpointer:
         probe: probe.Probe | None = None,
         keep_last: int | None = 3,
         async_save: bool = False,
+        overwrite: bool = False,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
@@ -93,10 +94,15 @@ class Checkpointer:
         self._model = model
         self._probe = probe
         self._keep_last = keep_last
-        self._components = self._build_components(model, optimizer, scheduler, dataloader, extra)
+        self._components = build_components(model, optimizer, scheduler, dataloader, extra)
         self._noted_per_rank: set[str] = set()  # shared components found to differ by rank
         self._lineage: list[dict[str, Any]] = [
-            {"event": "start", "time": time.time(), "world_size": collective.world_size()}
+            {
+                "event": "start",
+                "run": uuid.uuid4().hex,  # this run's identity, kept across its resumes
+                "time": time.time(),
+                "world_size": collective.world_size(),
+            }
         ]
         # Rank 0 appends every tracked step to metrics.jsonl; the lineage names its segment.
         self._metrics = MetricLog(
@@ -105,6 +111,10 @@ class Checkpointer:
         )
         self._lineage[0]["segment"] = self._metrics.segment
         self._fork: int | None = None  # the step resumed from, until the first save commits
+        self._overwrite = bool(overwrite)
+        self._owns_folder = False  # restored from it, or saved into it: no other run's
+        if self._overwrite:
+            self._fork = -1  # the first save retires every step committed before it
         self._replay: ReplayCheck | None = None
         self._health: HealthCheck | None = None
         self._stop = StopPolicy(agree=collective.any_rank)
@@ -118,25 +128,6 @@ class Checkpointer:
         self._group = (
             dist.new_group(backend="gloo") if self._async and collective.active() else None
         )
-
-    @staticmethod
-    def _build_components(model, optimizer, scheduler, dataloader, extra) -> list[Component]:
-        model_c = ModelComponent(model)
-        comps: list[Component] = [model_c]
-        if optimizer is not None:
-            comps.append(OptimizerComponent(optimizer, model_c))
-        if scheduler is not None:
-            comps.append(StatefulComponent("scheduler", scheduler, kind="scheduler"))
-        for name, obj in (extra or {}).items():
-            if not isinstance(name, str) or not name.isidentifier() or name in BUILTIN_COMPONENTS:
-                raise ValueError(
-                    f"extra key {name!r} must be an identifier other than {BUILTIN_COMPONENTS}"
-                )
-            comps.append(StatefulComponent(name, obj, kind="extra"))
-        if dataloader is not None:
-            comps.append(dataloader_component(dataloader))
-        comps.append(StatefulComponent("rng", RNGState(), kind="rng", per_rank=True))
-        return comps
 
     @property
     def path(self) -> str:
@@ -158,9 +149,11 @@ class Checkpointer:
         every committed checkpoint untouched) if anything fails.
         """
         self._check_open()
-        step = _as_step(step)
+        step = as_step(step)
         record = probe.record(self._probe, self._model) if self._probe is not None else None
         self.wait()
+        if not self._owns_folder and not self._overwrite:
+            resuming.check_no_other_run(self._dir)
         retire = self._note_branch_and_replay()
         request = saving.SaveRequest(
             step=step,
@@ -183,7 +176,8 @@ class Checkpointer:
     def _finish_save(self, staged: saving.Staged) -> None:
         saving.write(self._dir, staged)
         self._fork = None  # the branch is committed; its abandoned steps are retired
-        self._apply_retention(staged.request.step)
+        self._owns_folder = True
+        retention.apply_retention(self._dir, staged.request.step, self._keep_last)
         self._flush_metrics()
 
     def _finish_save_in_background(self, staged: saving.Staged) -> None:
@@ -197,52 +191,54 @@ class Checkpointer:
             pending.result()
 
     def restore(
-        self, step: int | None = None, *, reset: Iterable[str] | None = None
+        self,
+        step: int | None = None,
+        *,
+        reset: Iterable[str] | None = None,
+        skip: Iterable[str] | None = None,
+        require: bool | None = None,
     ) -> RestoreReport:
         """Restore the latest committed checkpoint (or ``step``); a fresh start if none.
 
         Args:
             step: a committed step to restore instead of the latest.
-            reset: component names to start fresh on purpose (recorded in the lineage).
+            reset: components passed here to start fresh on purpose (recorded in the
+                lineage).
+            skip: components the checkpoint holds but that were not passed here, left
+                out on purpose (recorded; without it their absence is an error).
+            require: a fresh start is an error (default: the environment variable
+                ``UNBROKEN_REQUIRE_CHECKPOINT=1``, for launch scripts of resumed jobs).
         Raises:
+            CheckpointNotFoundError: ``require`` and no checkpoint (the message says where
+                it looked and what it found), or ``step`` is not committed.
             IncompleteCheckpointError: the checkpoint lacks something passed here.
             CorruptCheckpointError: a file is missing, truncated or altered.
-            StateMismatchError: it does not fit the live objects, or verification failed.
+            StateMismatchError: it does not fit the live objects (or holds a component not
+                passed and not in ``skip``), or verification failed. Nothing live changed.
         """
         self._check_open()
         self.wait()
-        reset_set = set(reset or ())
+        reset_set, skip_set = set(reset or ()), set(skip or ())
         names = [c.name for c in self._components]
         unknown = sorted(reset_set - set(names))
         if unknown:
             raise ValueError(f"reset names unknown component(s) {unknown}; known: {names}")
-        candidates = restoring.candidate_steps(self._dir, step)
+        passed = sorted(skip_set & set(names))
+        if passed:
+            raise ValueError(
+                f"skip names {passed}, which were passed to the Checkpointer: use reset= to "
+                "start them fresh"
+            )
         world = collective.world_size()
-        skipped = restoring.lost_manifests(self._dir)  # damaged folders, named in the report
-        if not candidates:
-            absent = {n: "absent" for n in names}
-            return RestoreReport(world_size=world, components=absent, warnings=skipped)
-        for chosen in candidates:
-            folder = self._dir.step_path(chosen)
-            try:
-                doc = restoring.read_manifest(folder)
-                report = restoring.restore(
-                    folder, doc, self._components, reset_set, self._probe, self._model
-                )
-                break
-            except CorruptCheckpointError as exc:
-                # Damage is detected before any live object is touched, so an older
-                # checkpoint can be tried. An explicitly requested step never falls back.
-                if step is not None:
-                    raise
-                skipped.append(f"skipped the damaged checkpoint of step {chosen}: {exc}")
-                if chosen == candidates[-1]:
-                    raise CorruptCheckpointError(
-                        f"no committed checkpoint in {self._dir.root} is sound: "
-                        + "; ".join(skipped)
-                    ) from exc
-                logger.warning("checkpoint of step %d is damaged, trying an older one", chosen)
-        report.warnings[:0] = skipped
+        done = resuming.resume(
+            self._dir, self._components, step=step, reset=reset_set, skip=skip_set,
+            require=resuming.require_from_env(require), ignore=self._overwrite,
+            probe_fn=self._probe, model=self._model,
+        )  # fmt: skip
+        self._owns_folder = True
+        if done.doc is None:  # a fresh start
+            return done.report
+        doc, chosen, report = done.doc, done.step, done.report
         # The metrics segment that saved the checkpoint: the replay check's reference.
         saved_by = doc["lineage"][-1].get("segment") if doc["lineage"] else None
         self._metrics.load_window(doc.get("metrics", []), resumed_from=chosen, parent=saved_by)
@@ -254,6 +250,7 @@ class Checkpointer:
                 "time": time.time(),
                 "world_size": world,
                 "reset": sorted(reset_set),
+                "skipped": sorted(skip_set & set(doc["components"])),
                 "segment": self._metrics.segment,
             },
         ]
@@ -271,7 +268,7 @@ class Checkpointer:
         ``metrics.jsonl`` (see :func:`unbroken.proof.metrics.read_series`); after a resume they
         feed the health check, whose findings are logged and kept in :attr:`warnings`.
         """
-        step = _as_step(step)
+        step = as_step(step)
         self._metrics.track(step, metrics)
         values = self._metrics.values[step]
         if self._health is not None:
@@ -364,29 +361,3 @@ class Checkpointer:
     def _replay_decided(self, verdict: ReplayVerdict | None) -> None:
         if verdict is not None:
             self._metrics.append({"segment": self._metrics.segment, "replay": verdict.record()})
-
-    def _apply_retention(self, newest: int) -> None:
-        if self._keep_last is None:
-            return
-
-        def prune() -> None:
-            # Delete older checkpoints only once the new one reads back as committed.
-            restoring.check_folder(self._dir.step_path(newest))
-            steps = self._dir.steps()
-            # Retention never removes the newest checkpoint, however steps are ordered.
-            doomed = [s for s in steps if s != newest][: max(0, len(steps) - self._keep_last)]
-            for s in doomed:
-                self._dir.remove(s)
-
-        collective.agree(prune, only_rank0=True)
-
-
-def _as_step(step: Any) -> int:
-    """A step as an int: Python, NumPy and 0-d integer tensors are accepted."""
-    if isinstance(step, torch.Tensor) and step.dim() == 0 and not step.is_floating_point():
-        step = step.item()
-    elif isinstance(step, np.integer):
-        step = int(step)
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be an integer >= 0, got {step!r}")
-    return int(step)

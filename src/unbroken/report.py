@@ -24,6 +24,9 @@ class RestoreReport:
         world_size: world size now.
         resharded: the state was redistributed to a different world size.
         warnings: things worth a look that did not stop the restore.
+        searched: the folder the restore looked in.
+        found: on a fresh start, what it found there (does not exist, empty, another
+            tool's files).
     """
 
     step: int = 0
@@ -35,10 +38,14 @@ class RestoreReport:
     world_size: int = 1
     resharded: bool = False
     warnings: list[str] = dataclasses.field(default_factory=list)
+    searched: str | None = None
+    found: str | None = None
 
     def __str__(self) -> str:
         if not self.restored:
             lines = [f"fresh start (no checkpoint restored), world size {self.world_size}"]
+            if self.found:
+                lines.append(f"  looked in: {self.found}")
         else:
             ws = f"world size {self.saved_world_size} -> {self.world_size}"
             lines = [

@@ -109,6 +109,7 @@ def shutil_rmtree(path):
 def test_a_second_saver_gets_a_clear_error_and_corrupts_nothing(ckpt_dir):
     p = _saved(ckpt_dir)
     rival = p.checkpointer(ckpt_dir)
+    rival.restore()  # the same run continues (a new run could not save here)
     busy = pytest.raises(ub.CheckpointError, match=r"another save into .* is in progress")
     with storage.CheckpointDir(ckpt_dir).save_lock(), busy:  # another job is mid-save
         rival.save(2)
@@ -192,5 +193,6 @@ def test_interrupted_deletion_leaves_a_usable_state(ckpt_dir):
 def test_retention_never_removes_the_newest_even_if_steps_go_back(ckpt_dir):
     p = _saved(ckpt_dir, steps=(5, 6, 7))
     ckpt = p.checkpointer(ckpt_dir, keep_last=1)
+    ckpt.restore()
     ckpt.save(3)  # a resumed run re-saving an earlier step
     assert ckpt.steps() == [3]

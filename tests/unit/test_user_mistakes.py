@@ -155,3 +155,92 @@ def test_documented_distributed_sampler_recipe_resumes_exactly(tmp_path, stop):
     first = _sampler_run(tmp_path / "b", total=20, stop=stop, seed=0)
     resumed = _sampler_run(tmp_path / "b", total=20, stop=None, seed=1)
     assert first + resumed == straight
+
+
+def test_relaunch_without_the_optimizer_is_an_error_unless_skipped(ckpt_dir):
+    """Relaunch without optimizer= (the postmortems' bug: AdamW moments stay empty and the
+    next save drops them for good): restore() raises naming it; skip= leaves it out on
+    purpose, recorded in the lineage."""
+    p = Problem()
+    for _ in range(3):
+        p.step()
+    p.checkpointer(ckpt_dir).save(3)
+
+    q = Problem(seed=1)
+    before = {k: v.clone() for k, v in q.model.state_dict().items()}
+    forgetful = ub.Checkpointer(ckpt_dir, model=q.model, scheduler=q.sched)
+    with pytest.raises(ub.StateMismatchError, match=r"'optimizer'.*skip=\{'optimizer'\}"):
+        forgetful.restore()
+    for k, v in q.model.state_dict().items():  # nothing was installed
+        assert torch.equal(v, before[k])
+    report = forgetful.restore(skip={"optimizer"})
+    assert report.restored and report.components["optimizer"] == "absent"
+    forgetful.save(4)
+    from unbroken.format import manifest
+
+    doc = manifest.read(ckpt_dir / "step_00000004")
+    assert doc["lineage"][-1]["skipped"] == ["optimizer"]
+    with pytest.raises(ValueError, match="use reset="):
+        ub.Checkpointer(ckpt_dir, model=q.model, optimizer=q.opt).restore(skip={"optimizer"})
+
+
+@pytest.mark.parametrize(
+    ("layout", "found"),
+    [
+        ("missing", "does not exist"),
+        ("empty", "is empty"),
+        ("hf", r"checkpoint-1000/, checkpoint-500/.*another tool"),
+    ],
+)
+def test_required_checkpoint_and_what_a_fresh_start_found(tmp_path, monkeypatch, layout, found):
+    """No checkpoint where one was expected (a typo, another tool's layout): the fresh-start
+    report says where it looked and what it found; require=True or
+    UNBROKEN_REQUIRE_CHECKPOINT=1 makes it an error."""
+    folder = tmp_path / "run"
+    if layout != "missing":
+        folder.mkdir()
+    if layout == "hf":
+        (folder / "checkpoint-500").mkdir()
+        (folder / "checkpoint-1000").mkdir()
+    report = Problem().checkpointer(folder).restore()
+    assert not report.restored and report.searched == str(folder)
+    assert __import__("re").search(found, report.found) and found.split(".")[0][:6] in str(report)
+    assert bool(report.warnings) == (layout == "hf")
+    with pytest.raises(ub.CheckpointNotFoundError, match=found):
+        Problem().checkpointer(folder).restore(require=True)
+    monkeypatch.setenv("UNBROKEN_REQUIRE_CHECKPOINT", "1")
+    with pytest.raises(ub.CheckpointNotFoundError, match="a checkpoint is required"):
+        Problem().checkpointer(folder).restore()
+    assert not Problem().checkpointer(folder).restore(require=False).restored
+
+
+def test_a_new_run_cannot_save_into_another_runs_folder(ckpt_dir):
+    """Saving into a used folder without restoring: retention would delete steps of both
+    runs and restore() would pick either. The save raises naming what to do; overwrite=True
+    replaces the old run (its checkpoints retired, not deleted); each run has an identity."""
+    old = Problem()
+    old_ckpt = old.checkpointer(ckpt_dir)
+    old_ckpt.save(10)
+    old_ckpt.save(20)
+
+    new = Problem(seed=1)
+    with pytest.raises(ub.CheckpointError, match=r"another run.*restore\(\).*overwrite=True"):
+        new.checkpointer(ckpt_dir).save(5)
+    assert old_ckpt.steps() == [10, 20]
+
+    replacing = new.checkpointer(ckpt_dir, overwrite=True)
+    assert not replacing.restore().restored  # the old run's checkpoints are ignored
+    replacing.save(5)
+    assert replacing.steps() == [5]
+    assert sorted(e.name[:21] for e in ckpt_dir.iterdir() if e.name.startswith(".retired")) == [
+        ".retired-step_0000001",
+        ".retired-step_0000002",
+    ]
+    from unbroken.format import manifest
+
+    runs = {manifest.read(ckpt_dir / "step_00000005")["lineage"][0]["run"]}
+    resumed = Problem(seed=2).checkpointer(ckpt_dir)
+    assert resumed.restore().step == 5
+    resumed.save(6)  # the same run, continued
+    runs.add(manifest.read(ckpt_dir / "step_00000006")["lineage"][0]["run"])
+    assert len(runs) == 1

@@ -15,14 +15,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     StateMismatchError,
 )
 from ..format import manifest, tree
 from ..format.shards import ShardReader, quiet_single_process
-from ..format.storage import MANIFEST, CheckpointDir
+from ..format.storage import MANIFEST
 from ..live import probe, snapshot
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, live_tensors
@@ -31,47 +30,6 @@ from . import collective, verify
 from .saving import component_prefix, unwrap
 
 logger = logging.getLogger(__name__)
-
-
-def candidate_steps(ckdir: CheckpointDir, step: int | None) -> list[int]:
-    """Steps to try, newest first (just ``step`` if given); the same on every rank."""
-
-    def find() -> list[int]:
-        ckdir.check_not_foreign()
-        ckdir.clean_leftovers_if_idle()
-        steps = ckdir.steps()
-        if step is None:
-            return steps[::-1]
-        if step not in steps and step in ckdir.steps_without_manifest():
-            raise CorruptCheckpointError(
-                f"{ckdir.step_path(step)} has no manifest.json: the checkpoint of step {step} "
-                f"is damaged (its manifest was lost or deleted); committed steps: {steps or 'none'}"
-            )
-        if step not in steps:
-            raise CheckpointNotFoundError(
-                f"step {step} is not a committed checkpoint in {ckdir.root}; committed steps: "
-                f"{steps or 'none'}"
-            )
-        return [step]
-
-    return collective.from_rank0(collective.agree(find, only_rank0=True))
-
-
-def lost_manifests(ckdir: CheckpointDir) -> list[str]:
-    """Warnings naming step folders without manifest.json (damaged, never restored);
-    the same on every rank, logged by rank 0."""
-
-    def find() -> list[str]:
-        found = [
-            f"{ckdir.step_path(s)} has no manifest.json: the checkpoint of step {s} is "
-            "damaged (its manifest was lost or deleted) and was not considered"
-            for s in ckdir.steps_without_manifest()
-        ]
-        for warning in found:
-            logger.warning("%s", warning)
-        return found
-
-    return collective.from_rank0(collective.agree(find, only_rank0=True))
 
 
 def check_folder(folder: Path) -> dict[str, Any]:
@@ -115,6 +73,7 @@ def restore(
     doc: dict[str, Any],
     components: list[Component],
     reset: set[str],
+    skip: set[str],
     probe_fn: probe.Probe | None,
     model: Any,
 ) -> RestoreReport:
@@ -122,7 +81,7 @@ def restore(
     started = time.perf_counter()
     rank, world = collective.rank(), collective.world_size()
     saved_world = doc["world_size"]
-    status, warnings = _plan(doc, components, reset, saved_world, world)
+    status, warnings = _plan(doc, components, reset, skip, saved_world, world)
     active = [c for c in components if status[c.name] == "restored"]
 
     skeletons: dict[str, Any] = {}
@@ -254,6 +213,7 @@ def _plan(
     doc: dict[str, Any],
     components: list[Component],
     reset: set[str],
+    skip: set[str],
     saved_world: int,
     world: int,
 ) -> tuple[dict[str, str], list[str]]:
@@ -277,10 +237,20 @@ def _plan(
                 f"be mapped onto {world}; pass reset={{{c.name!r}}} to start it fresh on purpose"
             )
         status[c.name] = "restored"
-    for name in doc["components"]:
-        if name not in status:
-            status[name] = "absent"
-            warnings.append(f"the checkpoint has a {name!r} component that was not passed")
+    not_passed = [name for name in doc["components"] if name not in status]
+    unexpected = [name for name in not_passed if name not in skip]
+    if unexpected:
+        listed = ", ".join(repr(n) for n in unexpected)
+        raise StateMismatchError(
+            f"the checkpoint of step {doc['step']} holds {listed}, not passed to the "
+            "Checkpointer: restoring without it would leave it fresh and drop it from every "
+            "later checkpoint (for an optimizer: AdamW silently reset). Pass it to the "
+            f"Checkpointer (e.g. {unexpected[0]}=...), or restore(skip={{{unexpected[0]!r}}}) "
+            "to leave it out on purpose (recorded in the lineage)"
+        )
+    for name in not_passed:
+        status[name] = "absent"
+        warnings.append(f"{name!r} left out on request (skip): it will not be in new checkpoints")
     return status, warnings
 
 

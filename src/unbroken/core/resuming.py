@@ -1,0 +1,212 @@
+"""Which checkpoint a restore loads: the newest sound one, an explicit step, or none.
+
+A damaged checkpoint is detected before any live object changes, so an older one is
+tried (and named in the report). A fresh start says where it looked and what it found
+there, so a typo in the path or a folder written by another tool is visible; with
+``require`` (or ``UNBROKEN_REQUIRE_CHECKPOINT=1``) it is an error instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..format.storage import MANIFEST, CheckpointDir, folder_step
+from ..live import probe
+from ..live.state import Component
+from ..report import RestoreReport
+from . import collective, restoring
+
+logger = logging.getLogger(__name__)
+
+REQUIRE_ENV = "UNBROKEN_REQUIRE_CHECKPOINT"
+_OURS = {".lock", "metrics.jsonl"}
+_SHOWN = 5
+
+
+@dataclasses.dataclass
+class Resumed:
+    """What :func:`resume` did: the report, and the manifest and step it loaded (None on
+    a fresh start)."""
+
+    report: RestoreReport
+    doc: dict[str, Any] | None = None
+    step: int | None = None
+
+
+def require_from_env(require: bool | None) -> bool:
+    """``require`` as given, else from ``UNBROKEN_REQUIRE_CHECKPOINT`` (1/true/yes)."""
+    if require is not None:
+        return bool(require)
+    raw = os.environ.get(REQUIRE_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "no"):
+        return False
+    if raw in ("1", "true", "yes"):
+        return True
+    raise ValueError(f"{REQUIRE_ENV}={raw!r}: use 1 (a checkpoint is required) or 0")
+
+
+def resume(
+    ckdir: CheckpointDir,
+    components: list[Component],
+    *,
+    step: int | None,
+    reset: set[str],
+    skip: set[str],
+    require: bool,
+    ignore: bool,
+    probe_fn: probe.Probe | None,
+    model: Any,
+) -> Resumed:
+    """Restore the newest sound checkpoint (or ``step``) into ``components``; collective.
+
+    ``ignore``: the committed checkpoints belong to a run being replaced (a fresh start).
+    """
+    names = [c.name for c in components]
+    world = collective.world_size()
+    candidates = [] if ignore else candidate_steps(ckdir, step)
+    skipped = lost_manifests(ckdir)  # damaged folders, named in the report
+    if not candidates:
+        looked = collective.agree(lambda: (describe(ckdir), _looks_foreign(ckdir)), only_rank0=True)
+        found, foreign = collective.from_rank0(looked)
+        if ignore:
+            found = f"{found}; its committed checkpoints are ignored (overwrite=True)"
+        if require:
+            raise CheckpointNotFoundError(
+                f"a checkpoint is required ({REQUIRE_ENV} or restore(require=True)) but "
+                f"there is none to restore: {found}. Check the path"
+            )
+        if foreign:
+            skipped.append(f"fresh start although {found}")
+        report = RestoreReport(
+            world_size=world,
+            components={n: "absent" for n in names},
+            warnings=skipped,
+            searched=str(ckdir.root),
+            found=found,
+        )
+        return Resumed(report)
+    for chosen in candidates:
+        folder = ckdir.step_path(chosen)
+        try:
+            doc = restoring.read_manifest(folder)
+            report = restoring.restore(folder, doc, components, reset, skip, probe_fn, model)
+        except CorruptCheckpointError as exc:
+            # Damage is found before any live object is touched, so an older checkpoint
+            # can be tried. An explicitly requested step never falls back.
+            if step is not None:
+                raise
+            skipped.append(f"skipped the damaged checkpoint of step {chosen}: {exc}")
+            if chosen == candidates[-1]:
+                raise CorruptCheckpointError(
+                    f"no committed checkpoint in {ckdir.root} is sound: " + "; ".join(skipped)
+                ) from exc
+            logger.warning("checkpoint of step %d is damaged, trying an older one", chosen)
+            continue
+        report.warnings[:0] = skipped
+        return Resumed(dataclasses.replace(report, searched=str(ckdir.root)), doc, chosen)
+    raise AssertionError("unreachable")
+
+
+def check_no_other_run(ckdir: CheckpointDir) -> None:
+    """Before the first save of a run that did not restore: the folder must hold no other
+    run's committed checkpoints (collective)."""
+    found = collective.from_rank0(collective.agree(ckdir.steps, only_rank0=True))
+    if found:
+        shown = ", ".join(map(str, found[:_SHOWN])) + (", ..." if len(found) > _SHOWN else "")
+        raise CheckpointError(
+            f"{ckdir.root} already holds committed checkpoints of another run (steps "
+            f"{shown}) and this Checkpointer did not restore from them: saving here would mix "
+            "two runs (retention would delete steps of both, and restore() could pick "
+            "either). Call ckpt.restore() first to continue that run, use a new folder, or "
+            "pass Checkpointer(..., overwrite=True) to replace that run (its checkpoints are "
+            "kept aside as .retired-step_*, not deleted)"
+        )
+
+
+def candidate_steps(ckdir: CheckpointDir, step: int | None) -> list[int]:
+    """Steps to try, newest first (just ``step`` if given); the same on every rank."""
+
+    def find() -> list[int]:
+        ckdir.check_not_foreign()
+        ckdir.clean_leftovers_if_idle()
+        steps = ckdir.steps()
+        if step is None:
+            return steps[::-1]
+        if step not in steps and step in ckdir.steps_without_manifest():
+            raise CorruptCheckpointError(
+                f"{ckdir.step_path(step)} has no manifest.json: the checkpoint of step {step} "
+                f"is damaged (its manifest was lost or deleted); committed steps: {steps or 'none'}"
+            )
+        if step not in steps:
+            raise CheckpointNotFoundError(
+                f"step {step} is not a committed checkpoint in {ckdir.root}; committed steps: "
+                f"{steps or 'none'}"
+            )
+        return [step]
+
+    return collective.from_rank0(collective.agree(find, only_rank0=True))
+
+
+def lost_manifests(ckdir: CheckpointDir) -> list[str]:
+    """Warnings naming step folders without manifest.json (damaged, never restored);
+    the same on every rank, logged by rank 0."""
+
+    def find() -> list[str]:
+        found = [
+            f"{ckdir.step_path(s)} has no {MANIFEST}: the checkpoint of step {s} is "
+            "damaged (its manifest was lost or deleted) and was not considered"
+            for s in ckdir.steps_without_manifest()
+        ]
+        for warning in found:
+            logger.warning("%s", warning)
+        return found
+
+    return collective.from_rank0(collective.agree(find, only_rank0=True))
+
+
+def _entries(ckdir: CheckpointDir) -> list[str] | None:
+    try:
+        return sorted(os.listdir(ckdir.root))
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        return ["(not a directory)"]
+
+
+def _foreign_entries(entries: list[str]) -> list[str]:
+    ours = (".partial-", ".retired-")
+    return [
+        e for e in entries if e not in _OURS and not e.startswith(ours) and folder_step(e) is None
+    ]
+
+
+def _looks_foreign(ckdir: CheckpointDir) -> bool:
+    entries = _entries(ckdir)
+    return bool(entries and _foreign_entries(entries))
+
+
+def describe(ckdir: CheckpointDir) -> str:
+    """Where a restore looked and what it found there, for a fresh start."""
+    root = ckdir.root
+    entries = _entries(ckdir)
+    if entries is None:
+        return f"{root} does not exist"
+    if entries == ["(not a directory)"]:
+        return f"{root} is a file, not a folder"
+    foreign = _foreign_entries(entries)
+    if not foreign:
+        ours = [e for e in entries if e != ".lock"]  # the lock file is made by looking
+        if not ours:
+            return f"{root} is empty"
+        return f"{root} holds no committed checkpoint (only {', '.join(ours)})"
+    shown = [e + ("/" if (root / e).is_dir() else "") for e in foreign[:_SHOWN]]
+    more = f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else ""
+    return (
+        f"{root} holds no committed unbroken checkpoint but {', '.join(shown)}{more} "
+        "(another tool's layout? unbroken commits step_NNNNNNNN/ folders holding a "
+        f"{MANIFEST})"
+    )
