@@ -4,7 +4,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint unit clean
+VENV_NEXT := .venv-torch2.14
+STAMP_NEXT := $(VENV_NEXT)/.installed
+
+.PHONY: install demo test test-torch2.14 test-all lint unit clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 2; }
@@ -14,6 +17,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
+
+# The second supported torch: 2.14.1 (a CUDA build that runs on the CPU here; pip takes
+# it from this machine's disk). Used by test-torch2.14, which CI runs after test.
+$(STAMP_NEXT): pyproject.toml
+	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 2; }
+	$(PYTHON) -m venv $(VENV_NEXT)
+	$(VENV_NEXT)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_NEXT)/bin/python -m pip install --quiet torch==2.14.1
+	$(VENV_NEXT)/bin/python -m pip install --quiet -e ".[dev]"
+	touch $(STAMP_NEXT)
 
 install: $(STAMP)
 
@@ -27,8 +40,14 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -q tests
 
+# The whole suite again on torch 2.14.1.
+test-torch2.14: $(STAMP_NEXT)
+	$(VENV_NEXT)/bin/python -m pytest -q tests
+
+test-all: test test-torch2.14
+
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VENV_NEXT) build *.egg-info src/*.egg-info
 
 # Save/restore benchmarks (4-7 minutes on 2 cores): prints the tables and regenerates
 # docs/benchmarks.md. A smoke test: $(PY) benchmarks/save_restore.py --quick
