@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..format import manifest
-from ..tools.comparison import DiffReport, TensorDiff, diff
-from ..tools.inspection import locate
-from ._common import EXIT_FAILED, JsonOption, emit_json, guard, progress, stdout
+from ._common import EXIT_FAILED, Command, JsonOption, emit_json, guard, progress, stdout
+
+if TYPE_CHECKING:
+    from ..tools.comparison import DiffReport, TensorDiff
 
 HELP = """Compare two checkpoints tensor by tensor, across any world sizes.
 
@@ -29,12 +29,16 @@ checkpoint."""
 
 
 def register(app: typer.Typer) -> None:
-    app.command("diff", help=HELP)(diff_command)
+    app.command("diff", help=HELP, cls=Command)(diff_command)
 
 
 def diff_command(
-    a: Annotated[Path, typer.Argument(help="Checkpoint A (step folder or run folder).")],
-    b: Annotated[Path, typer.Argument(help="Checkpoint B (step folder or run folder).")],
+    a: Annotated[
+        Path, typer.Argument(metavar="A", help="Checkpoint A (step folder or run folder).")
+    ],
+    b: Annotated[
+        Path, typer.Argument(metavar="B", help="Checkpoint B (step folder or run folder).")
+    ],
     full: Annotated[
         bool, typer.Option("--full", help="Compare bytes even where fingerprints agree.")
     ] = False,
@@ -44,6 +48,10 @@ def diff_command(
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
+    from ..format import manifest
+    from ..tools.comparison import diff
+    from ..tools.inspection import locate
+
     with guard():
         fa, fb = locate(a), locate(b)
         total = len(set(manifest.read(fa)["tensors"]) | set(manifest.read(fb)["tensors"]))

@@ -9,8 +9,7 @@ from typing import Annotated
 
 import typer
 
-from ..testing import RunFailed, resume_test
-from ._common import EXIT_FAILED, JsonOption, emit_json, guard, stderr, stdout
+from ._common import EXIT_FAILED, Command, JsonOption, emit_json, guard, stderr, stdout
 
 HELP = """Run CMD straight, then stopped at step K and resumed, and compare.
 
@@ -29,6 +28,8 @@ def register(app: typer.Typer) -> None:
     app.command(
         "resume-test",
         help=HELP,
+        cls=Command,
+        options_metavar="[OPTIONS] -- CMD ...",
         context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     )(resume_test_command)
 
@@ -50,6 +51,8 @@ def resume_test_command(
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
+    from ..testing import RunFailed, resume_test
+
     command = list(ctx.args)
     if not command:
         raise typer.BadParameter("give the training command after --, containing {dir}")
