@@ -31,6 +31,7 @@ def test_fails_on_a_resume_bug(tmp_path, bug):
     # A lost optimizer first shows in the loss after its first step.
     first = 19 if bug == "optimizer" else 18
     assert result.first_difference.startswith(f"step {first},"), result.first_difference
+    assert result.first_difference_step == first  # a number too, for the plot's mark
     assert result.state_differences  # the final weights differ too
     assert "DIFFERENT" in str(result)
 
@@ -75,3 +76,21 @@ def test_resume_on_another_world_size_reports_the_deviation(tmp_path):
     strict = compare(tmp_path / "straight", tmp_path / "resumed", stop_at=15, exact=False,
                      tolerance=1e-6)  # fmt: skip
     assert not strict.passed and strict.first_difference.startswith("step 16,")
+
+
+def test_failed_plot_shows_the_difference_and_the_first_differing_step(tmp_path):
+    """The resume test's plot has a panel of resumed minus straight (symlog) with the
+    first differing step marked, so a FAILED title shows its cause."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from unbroken.proof.metrics import Series
+    from unbroken.proof.plotting import plot_resume_test
+
+    straight = Series({"loss": [(s, 1.0 / s) for s in range(1, 31)]}, resumes=[], warnings=[])
+    resumed = Series({"loss": [(s, 1.0 / s + (0.0 if s < 19 else 1e-6 * 2**s))
+                               for s in range(1, 31)]}, resumes=[17], warnings=[])  # fmt: skip
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text stays readable text
+        out = plot_resume_test(straight, resumed, tmp_path / "p.svg", stop_at=17,
+                               title="resume test: FAILED", first_difference=19)  # fmt: skip
+    svg = Path(out).read_text()
+    assert "resumed - straight" in svg and "symlog" in svg
+    assert "first difference (19)" in svg and "stop (17)" in svg

@@ -8,14 +8,15 @@ from typing import Annotated
 import typer
 
 from ..errors import CheckpointNotFoundError
-from ._common import Command, JsonOption, emit_json, guard, stdout
+from ._common import Command, JsonOption, emit_json, guard, stdout, usage_error
 
 HELP = """Plot a run's tracked metrics to a PNG, resume points marked.
 
 One panel per metric recorded with ckpt.track(). The series follows the timeline that
 survived: steps replayed after resuming from an older checkpoint replace the abandoned
-ones; each resume is a labelled line. Default output: DIR/metrics.png. Exit 2 if DIR has
-no tracked metrics."""
+ones; each resume is a labelled line. Default output: DIR/metrics.png. Needs matplotlib
+(pip install 'unbroken[plot]'). Exit 2 if DIR has no tracked metrics or there is no
+matplotlib."""
 
 
 def register(app: typer.Typer) -> None:
@@ -40,7 +41,10 @@ def plot_command(
             )
         series = read_series(path)
         target = out or path / "metrics.png"
-        plot_series({path.name or str(path): series}, target, title=f"{path}")
+        try:
+            plot_series({path.name or str(path): series}, target, title=f"{path}")
+        except ImportError as exc:  # matplotlib is an optional extra
+            raise usage_error(exc) from None
     if as_json:
         emit_json(
             {

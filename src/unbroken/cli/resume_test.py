@@ -60,7 +60,8 @@ def resume_test_command(
         raise typer.BadParameter("the command must contain {dir} (its checkpoint folder)")
     work = workdir or Path(tempfile.mkdtemp(prefix="unbroken-resume-test-"))
     if not as_json:
-        stderr().print(f"resume test in {work}: running {shlex.join(command)}")
+        stderr().print(f"resume test in {work}: running {shlex.join(command)}",
+                       markup=False, soft_wrap=True)  # fmt: skip
     with guard():
         try:
             result = resume_test(

@@ -30,6 +30,8 @@ class ResumeTestResult:
     resumed_dir: str
     report_path: str = ""
     plot_path: str = ""
+    first_difference_step: int | None = None
+    notes: list[str] = dataclasses.field(default_factory=list)  # remarks, not failures
 
     def __str__(self) -> str:
         verdict = (
@@ -49,6 +51,7 @@ class ResumeTestResult:
         for name, dev in self.max_deviation.items():
             lines.append(f"  max |straight - resumed| of {name} after the stop: {dev:.3g}")
         lines += [f"  health check: {w}" for w in self.warnings]
+        lines += [f"  note: {n}" for n in self.notes]
         if self.report_path:
             lines.append(f"  report: {self.report_path}")
         if self.plot_path:
@@ -60,7 +63,7 @@ def compare(straight: Path, resumed: Path, *, stop_at: int, exact: bool = True,
             tolerance: float = 0.05) -> ResumeTestResult:  # fmt: skip
     """Compare two finished runs' metrics after ``stop_at`` and their final checkpoints."""
     a, b = read_series(straight), read_series(resumed)
-    first, compared, deviation = _compare_series(a, b, stop_at, exact, tolerance)
+    first_step, first, compared, deviation = _compare_series(a, b, stop_at, exact, tolerance)
     state, rng_differs = _compare_final_state(straight, resumed, exact)
     notes = [f"final RNG state differs ({', '.join(rng_differs)}): a generator the script "
              "does not seed; harmless if it is never drawn from"] if rng_differs else []  # fmt: skip
@@ -77,6 +80,7 @@ def compare(straight: Path, resumed: Path, *, stop_at: int, exact: bool = True,
         compared_steps=compared,
         metrics=sorted(set(a.values) | set(b.values)),
         first_difference=first,
+        first_difference_step=first_step,
         state_differences=state,
         max_deviation=deviation,
         warnings=[f"step {s}: {w}" for s, w in b.warnings] + notes,
@@ -90,7 +94,7 @@ def _same(x: float, y: float) -> bool:
 
 
 def _compare_series(a: Series, b: Series, stop_at: int, exact: bool, tolerance: float):
-    """(first difference or None, steps compared, max deviation per metric)."""
+    """(first differing step, its description; steps compared; max deviation per metric)."""
     problems: list[tuple[int, str]] = []
     compared = 0
     deviation: dict[str, float] = {}
@@ -110,8 +114,8 @@ def _compare_series(a: Series, b: Series, stop_at: int, exact: bool, tolerance: 
                 break
     if compared == 0:
         problems.append((stop_at, f"no tracked metric after step {stop_at}: nothing compared"))
-    first = min(problems)[1] if problems else None
-    return first, compared, deviation
+    step, first = min(problems) if problems else (None, None)
+    return step, first, compared, deviation
 
 
 def _compare_final_state(straight: Path, resumed: Path, exact: bool) -> tuple[list[str], list[str]]:
