@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,32 @@ def test_plot_labels_each_resume_with_its_step(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "1 resume(s)" in done.stdout
     assert "resumed from 3" in (tmp_path / "m.svg").read_text()
+
+
+RAISES_ON_RANK_1 = """
+import os, sys
+print("rank", os.environ["RANK"], "starting", flush=True)
+if os.environ["RANK"] == "1":
+    raise ValueError("rank 1 cannot go on: batch of shape (3, 5)\\nexpected (4, 5)")
+"""
+
+
+@pytest.mark.parametrize("tee", [False, True], ids=["plain", "tee"])
+def test_a_failing_torchrun_rank_shows_its_exception(tmp_path, tee):
+    """A run under torchrun fails on rank 1: the error shows rank 1's exception (both lines
+    of its message), read from the log, with or without torchrun's `[default1]:` line
+    prefixes, and not torchrun's ChildFailedError report."""
+    script = tmp_path / "train.py"
+    script.write_text(RAISES_ON_RANK_1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", port, *(["--tee", "3"] if tee else []), script, "{dir}"]  # fmt: skip
+    done = _unbroken("resume-test", "--stop-at", "2", "--workdir", tmp_path / "w", "--", *torchrun)
+    assert done.returncode == 1
+    err = done.stderr
+    assert "rank 1 raised:" in err if tee else "rank 1 failed first" in err, err
+    assert "  ValueError: rank 1 cannot go on: batch of shape (3, 5)\n  expected (4, 5)\n" in err
+    assert "ChildFailedError" not in err and "Root Cause" not in err
+    assert f"full log: {tmp_path / 'w' / 'straight.log'}" in err

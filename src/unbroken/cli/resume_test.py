@@ -9,7 +9,16 @@ from typing import Annotated
 
 import typer
 
-from ._common import EXIT_FAILED, Command, JsonOption, emit_json, guard, stderr, stdout
+from ._common import (
+    EXIT_FAILED,
+    Command,
+    JsonOption,
+    emit_json,
+    guard,
+    report_error,
+    stderr,
+    stdout,
+)
 
 HELP = """Run CMD straight, then stopped at step K and resumed, and compare.
 
@@ -73,7 +82,7 @@ def resume_test_command(
                 timeout=timeout,
             )
         except (RunFailed, ValueError) as exc:
-            stderr().print(f"{type(exc).__name__}: {exc}", markup=False)
+            report_error(exc)  # plain text, unwrapped: paths and tracebacks stay whole
             raise typer.Exit(EXIT_FAILED) from None
     if as_json:
         emit_json(result)
