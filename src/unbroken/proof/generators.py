@@ -40,13 +40,19 @@ def differing(a: dict[str, Any], b: dict[str, Any]) -> dict[tuple[int, str], boo
     """(rank, generator) -> whether its state differs between manifests ``a`` and ``b``
     (a generator saved in only one of them differs)."""
     sa, sb = generator_states(a), generator_states(b)
-    return {key: sa.get(key) != sb.get(key) for key in sorted(sa.keys() | sb.keys())}
+    order = list(LABELS)
+    keys = sorted(sa.keys() | sb.keys(), key=lambda k: (k[0], _index(order, k[1]), k[1]))
+    return {key: sa.get(key) != sb.get(key) for key in keys}
 
 
 def label(rank: int, name: str, world_size: int) -> str:
     """``torch CPU``, or ``torch CPU (rank 1)`` when there is more than one rank."""
     text = LABELS.get(name, name)
     return text if world_size <= 1 else f"{text} (rank {rank})"
+
+
+def _index(order: list[str], name: str) -> int:
+    return order.index(name) if name in order else len(order)
 
 
 def _resolve(node: Any, tensors: dict[str, Any]) -> Any:
