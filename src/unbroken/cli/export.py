@@ -73,5 +73,9 @@ def export_command(
         f"{human_bytes(result.bytes)}, step {result.step}"
         + (f", {dtype.value}" if dtype is not None else "")
     )
+    for alias, target in result.tied.items():
+        console.print(
+            f"tied: {escape(alias)} = {escape(target)}, written once (as {escape(target)})"
+        )
     if result.skipped:
         console.print(f"[yellow]not exported (not tensors):[/yellow] {', '.join(result.skipped)}")

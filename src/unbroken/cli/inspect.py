@@ -166,3 +166,5 @@ def _print_coverage(console, coverage) -> None:
         console.print(f"[red]problem:[/red] {escape(message)}")
     for message in coverage.warnings():
         console.print(f"[yellow]note:[/yellow] {escape(message)}")
+    for alias, target in coverage.tied.items():
+        console.print(f"tied: {escape(alias)} is {escape(target)} (optimized under that name)")
