@@ -117,7 +117,7 @@ def _print(report: DiffReport) -> None:
         table.add_column("difference", no_wrap=True)
         table.add_column("max |A-B|", no_wrap=True, justify="right")
         for t in listed[:MAX_TENSORS]:
-            table.add_row(escape(t.key), *_describe(t))
+            table.add_row(escape(t.key), *map(escape, _describe(t)))
         console.print(table)
         _more(console, len(listed) - MAX_TENSORS, "tensor(s) differ")
     for c in report.components:
