@@ -22,7 +22,7 @@ from pathlib import Path
 from .format.storage import CheckpointDir
 from .live.stopping import STOP_AT_ENV
 from .proof.metrics import read_series
-from .proof.plotting import plot_series
+from .proof.plotting import plot_resume_test
 from .proof.replay import ResumeTestResult, compare
 from .proof.runs import Command, RunFailed, run
 
@@ -44,7 +44,8 @@ def resume_test(
     fresh checkpoint folder per run), or a function ``fn(dir)`` importable by module path
     (run in a spawned process). With ``resume_command`` (e.g. another world size) the
     resumed run may differ within ``tolerance`` (relative); the restore itself is still
-    verified exactly by the library.
+    verified exactly by the library. ``plot`` draws ``resume-test.png`` (it needs
+    matplotlib; without it the result says so in a note and the verdict is unchanged).
     """
     if stop_at < 1:
         raise ValueError(f"stop_at must be >= 1, got {stop_at}")
@@ -67,12 +68,17 @@ def resume_test(
                      tolerance=tolerance)  # fmt: skip
     result.report_path = str(work / "resume-test-report.txt")
     if plot:
-        result.plot_path = plot_series(
-            {"straight": read_series(straight), "stopped + resumed": read_series(resumed)},
-            work / "resume-test.png",
-            title=f"resume test: {'passed' if result.passed else 'FAILED'}",
-            marks={"stop": stop_at},
-        )
+        try:
+            result.plot_path = plot_resume_test(
+                read_series(straight),
+                read_series(resumed),
+                work / "resume-test.png",
+                stop_at=stop_at,
+                title=f"resume test: {'passed' if result.passed else 'FAILED'}",
+                first_difference=result.first_difference_step,
+            )
+        except ImportError as exc:  # matplotlib is an optional extra: the verdict stands
+            result.notes.append(f"no plot: {exc}")
     Path(result.report_path).write_text(str(result) + "\n", encoding="utf-8")
     (work / "resume-test.json").write_text(json.dumps(dataclasses.asdict(result), indent=1))
     return result

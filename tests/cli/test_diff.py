@@ -92,3 +92,62 @@ def test_usage_errors(single_run, tmp_path):
     result = run_cli("diff", single_run, tmp_path)
     assert result.exit_code == 2 and "CheckpointNotFoundError" in result.stderr
     assert run_cli("diff", single_run).exit_code == 2  # B missing: click usage error
+
+
+def _deep_runs(tmp_path):
+    """Checkpoints of a 12-layer model one training step apart (with its optimizer, a param
+    group per layer, each group's lr halved in between), and between them one draw each
+    from Python's and NumPy's global generators."""
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(3, 3) for _ in range(12)])
+    opt = torch.optim.AdamW([{"params": layer.parameters()} for layer in model], lr=0.1)
+    for name in ("a", "b"):
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        ub.Checkpointer(tmp_path / name, model=model, optimizer=opt).save(1)
+        random.random(), np.random.rand()
+        for group in opt.param_groups:
+            group["lr"] /= 2
+    return tmp_path / "a", tmp_path / "b"
+
+
+def test_diff_summarizes_rng_state_one_line_per_generator(tmp_path):
+    """The RNG state is summarized one line per generator (same/differs), instead of a line
+    per differing state word (Python's generator alone has 624)."""
+    a, b = _deep_runs(tmp_path)
+    out = run_cli("diff", a, b).stdout
+    assert "rng state, per generator:" in out
+    lines = [line.split() for line in out.splitlines() if line.startswith("  ")]
+    assert [" ".join(words) for words in lines] == [
+        "python random differs", "numpy differs", "torch CPU differs"]  # fmt: skip
+    assert "rng/python/state" not in out and "rng/rank_00000" not in out
+    rng = run_json("diff", a, b, code=1)["rng"]
+    assert [(g["label"], g["status"]) for g in rng] == [
+        ("python random", "differs"), ("numpy", "differs"), ("torch CPU", "differs")]  # fmt: skip
+
+
+def test_diff_caps_listings_and_sorts_keys_naturally(tmp_path):
+    """Every listing is capped with a count of what was left out, and keys sort naturally
+    (layer 2 before layer 10), in the table and in --json."""
+    a, b = _deep_runs(tmp_path)
+    result = run_cli("diff", a, b)
+    assert result.exit_code == 1
+    rows = [line for line in result.stdout.splitlines() if line.startswith("│ ")]
+    assert len(rows) == 20 + 3  # 20 tensors; components model, optimizer, rng
+    differing = 12 * 2 * 4  # weight and bias of 12 layers; the model, exp_avg, _sq, step
+    assert f"... and {differing - 20} more tensor(s) differ (--json lists all)" in result.stdout
+    state = [line for line in result.stdout.splitlines() if line.startswith("state differs:")]
+    assert len(state) == 10 and "param_groups/0/lr: 0.1 vs 0.05" in state[0]
+    assert "... and 2 more state difference(s) in optimizer (--json lists all)" in result.stdout
+    keys = [row.split()[1] for row in rows if row.split()[1].startswith("model/")]
+    assert keys[:6] == ["model/0.bias", "model/0.weight", "model/1.bias", "model/1.weight",
+                        "model/2.bias", "model/2.weight"]  # fmt: skip
+    listed = [t["key"] for t in run_json("diff", a, b, code=1)["tensors"]]
+    assert listed.index("model/2.weight") < listed.index("model/10.weight")
+    assert listed.index("optimizer/state/9.bias/step") < listed.index(
+        "optimizer/state/10.bias/step"
+    )

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from .conftest import Problem
 
 TINY = Path(__file__).parents[1] / "e2e" / "scripts" / "tiny_train.py"
 
@@ -55,3 +58,93 @@ def test_resume_test_usage_errors(args, message):
 def test_plot_without_metrics_is_a_usage_error(tmp_path):
     done = _unbroken("plot", tmp_path)
     assert done.returncode == 2 and "metrics.jsonl" in done.stderr
+
+
+def _without_matplotlib(tmp_path: Path) -> dict[str, str]:
+    """An environment whose `import matplotlib` fails, as after `pip install unbroken`."""
+    fake = tmp_path / "no-matplotlib" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('No module named matplotlib')\n")
+    path = os.pathsep.join(p for p in (str(fake.parent), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path}
+
+
+def test_resume_test_without_matplotlib_gives_the_verdict(tmp_path):
+    """No matplotlib (no [plot] extra): all three runs, the verdict and the report as
+    usual, no plot, and one line saying why."""
+    work = tmp_path / "work"
+    done = _unbroken("resume-test", "--stop-at", "13", "--workdir", work,
+                     "--", sys.executable, TINY, "{dir}", "--steps", "25",
+                     env=_without_matplotlib(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "IDENTICAL" in done.stdout and "Traceback" not in done.stderr
+    mentions = [line for line in done.stdout.splitlines() if "matplotlib" in line]
+    assert mentions == ["  note: no plot: plots need matplotlib, which is not installed: "
+                        "pip install 'unbroken[plot]'"]  # fmt: skip
+    assert not (work / "resume-test.png").exists()
+    assert "IDENTICAL" in (work / "resume-test-report.txt").read_text()
+    assert json.loads((work / "resume-test.json").read_text())["plot_path"] == ""
+
+
+def test_plot_without_matplotlib_is_a_one_line_usage_error(single_run, tmp_path):
+    """`unbroken plot` without matplotlib: one line naming the fix, exit 2, no file."""
+    done = _unbroken("plot", single_run, "--out", tmp_path / "m.png",
+                     env=_without_matplotlib(tmp_path))  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == [
+        "ImportError: plots need matplotlib, which is not installed: pip install 'unbroken[plot]'"
+    ]
+    assert not (tmp_path / "m.png").exists()
+
+
+def _svg_text(tmp_path: Path) -> dict[str, str]:
+    """matplotlib writes SVG text as text (not paths), so a test can read the labels."""
+    rc = tmp_path / "matplotlibrc"
+    rc.write_text("svg.fonttype: none\n")
+    return {"MATPLOTLIBRC": str(rc)}
+
+
+def test_plot_labels_each_resume_with_its_step(tmp_path):
+    """`unbroken plot`: each resume line carries its step as a label."""
+    run = tmp_path / "run"
+    for start, stop in ((0, 3), (3, 7)):  # trained to 3, then resumed from 3 to 7
+        p = Problem()
+        ckpt = p.checkpointer(run)
+        assert ckpt.restore().step == start
+        for step in range(start + 1, stop + 1):
+            ckpt.track(step, loss=p.step())
+        ckpt.save(stop)
+        ckpt.close()
+    done = _unbroken("plot", run, "--out", tmp_path / "m.svg", env=_svg_text(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert "1 resume(s)" in done.stdout
+    assert "resumed from 3" in (tmp_path / "m.svg").read_text()
+
+
+RAISES_ON_RANK_1 = """
+import os, sys
+print("rank", os.environ["RANK"], "starting", flush=True)
+if os.environ["RANK"] == "1":
+    raise ValueError("rank 1 cannot go on: batch of shape (3, 5)\\nexpected (4, 5)")
+"""
+
+
+@pytest.mark.parametrize("tee", [False, True], ids=["plain", "tee"])
+def test_a_failing_torchrun_rank_shows_its_exception(tmp_path, tee):
+    """A run under torchrun fails on rank 1: the error shows rank 1's exception (both lines
+    of its message), read from the log, with or without torchrun's `[default1]:` line
+    prefixes, and not torchrun's ChildFailedError report."""
+    script = tmp_path / "train.py"
+    script.write_text(RAISES_ON_RANK_1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", port, *(["--tee", "3"] if tee else []), script, "{dir}"]  # fmt: skip
+    done = _unbroken("resume-test", "--stop-at", "2", "--workdir", tmp_path / "w", "--", *torchrun)
+    assert done.returncode == 1
+    err = done.stderr
+    assert "rank 1 raised:" in err if tee else "rank 1 failed first" in err, err
+    assert "  ValueError: rank 1 cannot go on: batch of shape (3, 5)\n  expected (4, 5)\n" in err
+    assert "ChildFailedError" not in err and "Root Cause" not in err
+    assert f"full log: {tmp_path / 'w' / 'straight.log'}" in err

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from unbroken.testing import assert_resumes_exactly, compare, resume_test
 
@@ -31,6 +32,7 @@ def test_fails_on_a_resume_bug(tmp_path, bug):
     # A lost optimizer first shows in the loss after its first step.
     first = 19 if bug == "optimizer" else 18
     assert result.first_difference.startswith(f"step {first},"), result.first_difference
+    assert result.first_difference_step == first  # a number too, for the plot's mark
     assert result.state_differences  # the final weights differ too
     assert "DIFFERENT" in str(result)
 
@@ -75,3 +77,73 @@ def test_resume_on_another_world_size_reports_the_deviation(tmp_path):
     strict = compare(tmp_path / "straight", tmp_path / "resumed", stop_at=15, exact=False,
                      tolerance=1e-6)  # fmt: skip
     assert not strict.passed and strict.first_difference.startswith("step 16,")
+
+
+def test_failed_plot_shows_the_difference_and_the_first_differing_step(tmp_path):
+    """The resume test's plot has a panel of resumed minus straight (symlog) with the
+    first differing step marked, so a FAILED title shows its cause."""
+    matplotlib = pytest.importorskip("matplotlib")
+    from unbroken.proof.metrics import Series
+    from unbroken.proof.plotting import plot_resume_test
+
+    straight = Series({"loss": [(s, 1.0 / s) for s in range(1, 31)]}, resumes=[], warnings=[])
+    resumed = Series({"loss": [(s, 1.0 / s + (0.0 if s < 19 else 1e-6 * 2**s))
+                               for s in range(1, 31)]}, resumes=[17], warnings=[])  # fmt: skip
+    with matplotlib.rc_context({"svg.fonttype": "none"}):  # text stays readable text
+        out = plot_resume_test(straight, resumed, tmp_path / "p.svg", stop_at=17,
+                               title="resume test: FAILED", first_difference=19)  # fmt: skip
+    svg = Path(out).read_text()
+    assert "resumed - straight" in svg and "symlog" in svg
+    assert "first difference (19)" in svg and "stop (17)" in svg
+
+
+def _run(folder: Path, *, stop: int | None = None, extra_draw: bool = False,
+         seed: int = 0, steps: int = 4) -> None:  # fmt: skip
+    """A tiny in-process training run with tracked losses; stopped at ``stop`` and resumed
+    if given; ``extra_draw`` draws once more from torch's RNG before the last save."""
+    from conftest import Problem
+
+    for start, end in ((0, stop), (stop, steps)) if stop else ((0, steps),):
+        p = Problem(seed=seed)
+        ckpt = p.checkpointer(folder)
+        ckpt.restore()
+        for step in range(start + 1, end + 1):
+            ckpt.track(step, loss=p.step())
+        if extra_draw and end == steps:
+            torch.rand(1)  # as iter(DataLoader) does with torch's global generator
+        ckpt.save(end)
+        ckpt.close()
+
+
+def test_report_across_world_sizes_does_not_contradict_itself(tmp_path):
+    """Another resume command (world size): the final state's differences are counted and
+    shown, never next to "every tensor's fingerprint identical", and the report explains
+    the tolerance the metrics were held to."""
+    _run(tmp_path / "straight")
+    _run(tmp_path / "resumed", seed=1)  # other weights: as after training on another size
+    result = compare(tmp_path / "straight", tmp_path / "resumed", stop_at=2, exact=False,
+                     tolerance=100.0)  # fmt: skip
+    text = str(result)
+    assert result.passed and "CLOSE" in text
+    assert "every tensor's fingerprint identical" not in text
+    assert result.state_differences and "model/inp.weight: differs" in text
+    assert f"final state: {len(result.state_differences)} of {result.state_compared} " in text
+    assert "tolerance: each metric after the stop may differ from the straight run's by up " \
+           "to 100 x |straight value|" in text  # fmt: skip
+    assert "health check" not in text  # nothing here comes from the health check
+
+
+def test_rng_note_does_not_blame_seeding_for_torch(tmp_path):
+    """torch's generator starts from a fixed seed: a final difference in it (one more draw
+    after the resume, every metric identical) is explained as such, not as "a generator
+    the script does not seed", and is a note, not a health-check warning."""
+    _run(tmp_path / "straight")
+    _run(tmp_path / "resumed", stop=2, extra_draw=True)
+    result = compare(tmp_path / "straight", tmp_path / "resumed", stop_at=2)
+    assert result.passed and result.warnings == []
+    assert len(result.notes) == 1, result.notes
+    note = result.notes[0]
+    assert note.startswith("final RNG state differs (torch CPU): torch's generators start ")
+    assert "does not seed" not in note and "harmless only if" in note
+    assert f"note: {note}" in str(result)
+    assert "identical, except the RNG state of torch CPU (see the note)" in str(result)

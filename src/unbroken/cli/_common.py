@@ -1,10 +1,15 @@
-"""Shared plumbing of the commands: exit codes, error reporting, JSON, progress, formats."""
+"""Shared plumbing of the commands: exit codes, error reporting, JSON, progress, formats.
+
+Nothing here imports torch: ``unbroken --help`` must answer at once, so each command
+imports its library modules inside the command function.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import datetime
+import inspect
 import json
 import math
 import sys
@@ -21,6 +26,7 @@ from rich.progress import (
     TextColumn,
     TimeRemainingColumn,
 )
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from ..errors import CheckpointError, CheckpointNotFoundError
 
@@ -34,6 +40,48 @@ JsonOption = Annotated[
 StepOption = Annotated[
     int | None, typer.Option("--step", min=0, help="A committed step (default: the latest).")
 ]
+
+
+def unwrap(text: str) -> str:
+    """Help text written hard-wrapped in the source, as paragraphs the terminal wraps."""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(" ".join(p.split()) for p in paragraphs)
+
+
+def _flags_as_flags(params: list) -> list:
+    """Show boolean flags as ``--json``, not ``--json <bool>`` (they take no value)."""
+    for p in params:
+        if getattr(p, "is_flag", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class Command(TyperCommand):
+    """Every command: flags shown as flags, help paragraphs re-wrapped to the terminal."""
+
+    def __init__(self, *args: Any, help: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, help=unwrap(help) if help else help, **kwargs)
+
+    def get_params(self, ctx: Any) -> list:
+        return _flags_as_flags(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        """``unbroken diff [OPTIONS] A B`` (typer would write ``{A} {B}``, which reads
+        like the ``{dir}`` placeholder of resume-test)."""
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for p in self.get_params(ctx):
+            if isinstance(p, TyperArgument) and p.required and p.nargs == 1:
+                pieces.append(p.display_name_raw)
+            else:
+                pieces.extend(p.get_usage_pieces(ctx))
+        return pieces
+
+
+class Group(TyperGroup):
+    """The ``unbroken`` group itself (its ``--help`` is a flag too)."""
+
+    def get_params(self, ctx: Any) -> list:
+        return _flags_as_flags(super().get_params(ctx))
 
 
 def stdout() -> Console:

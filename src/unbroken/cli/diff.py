@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..format import manifest
-from ..tools.comparison import DiffReport, TensorDiff, diff
-from ..tools.inspection import locate
-from ._common import EXIT_FAILED, JsonOption, emit_json, guard, progress, stdout
+from ._common import EXIT_FAILED, Command, JsonOption, emit_json, guard, progress, stdout
+
+if TYPE_CHECKING:
+    from ..tools.comparison import DiffReport, TensorDiff
 
 HELP = """Compare two checkpoints tensor by tensor, across any world sizes.
 
@@ -29,12 +30,16 @@ checkpoint."""
 
 
 def register(app: typer.Typer) -> None:
-    app.command("diff", help=HELP)(diff_command)
+    app.command("diff", help=HELP, cls=Command)(diff_command)
 
 
 def diff_command(
-    a: Annotated[Path, typer.Argument(help="Checkpoint A (step folder or run folder).")],
-    b: Annotated[Path, typer.Argument(help="Checkpoint B (step folder or run folder).")],
+    a: Annotated[
+        Path, typer.Argument(metavar="A", help="Checkpoint A (step folder or run folder).")
+    ],
+    b: Annotated[
+        Path, typer.Argument(metavar="B", help="Checkpoint B (step folder or run folder).")
+    ],
     full: Annotated[
         bool, typer.Option("--full", help="Compare bytes even where fingerprints agree.")
     ] = False,
@@ -44,6 +49,10 @@ def diff_command(
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
+    from ..format import manifest
+    from ..tools.comparison import diff
+    from ..tools.inspection import locate
+
     with guard():
         fa, fb = locate(a), locate(b)
         total = len(set(manifest.read(fa)["tensors"]) | set(manifest.read(fb)["tensors"]))
@@ -57,14 +66,21 @@ def diff_command(
         raise typer.Exit(EXIT_FAILED)
 
 
-def _describe(t: TensorDiff) -> str:
+MAX_TENSORS = 20  # rows of the "tensors that differ" table (--json lists all)
+MAX_STATE = 10  # non-tensor state differences shown per component
+
+
+def _describe(t: TensorDiff) -> tuple[str, str]:
+    """(what differs, max |A-B|) for the table."""
+    worst = "" if t.max_abs_diff is None else f"{t.max_abs_diff:.4g}"
     if t.status == "values":
-        return f"{t.differing} element(s) differ, max |A-B| = {t.max_abs_diff:.6g}"
+        numel = math.prod(t.shape_a or [])
+        return f"{t.differing} of {numel} value(s)", worst
     if t.status == "dtype":
-        return f"dtype {t.dtype_a} -> {t.dtype_b} (max |A-B| = {t.max_abs_diff:.6g})"
+        return f"dtype {t.dtype_a} -> {t.dtype_b}", worst
     if t.status == "shape":
-        return f"shape {t.shape_a} -> {t.shape_b}"
-    return {"only_a": "only in A", "only_b": "only in B"}.get(t.status, t.status)
+        return f"shape {t.shape_a} -> {t.shape_b}", ""
+    return {"only_a": "only in A", "only_b": "only in B"}.get(t.status, t.status), ""
 
 
 def _print(report: DiffReport) -> None:
@@ -74,25 +90,47 @@ def _print(report: DiffReport) -> None:
             f"{label}: step {meta['step']}, world size {meta['world_size']}  {escape(meta['path'])}"
         )
     table = Table(title="components")
-    for col in ("component", "status", "equal", "different", "only A", "only B", "note"):
-        table.add_column(col)
+    for col in ("component", "status", "equal", "differ", "only A", "only B"):
+        table.add_column(
+            col, no_wrap=True, justify="right" if col not in ("component", "status") else "left"
+        )
+    table.add_column("note", overflow="fold")
     colors = {"identical": "green", "skipped": "yellow"}
     for c in report.components:
         color = colors.get(c.status, "red")
-        table.add_row(c.name, f"[{color}]{c.status}[/{color}]", str(c.equal),
+        table.add_row(escape(c.name), f"[{color}]{c.status}[/{color}]", str(c.equal),
                       str(c.different), str(c.only_a), str(c.only_b), escape(c.note))  # fmt: skip
     console.print(table)
+    # RNG state, one line per generator, instead of hundreds of state words and tensors.
+    summarized = {"rng"} if report.rng else set()
+    if report.rng:
+        console.print("rng state, per generator:")
+        width = max(len(g.label) for g in report.rng)
+        for g in report.rng:
+            color = "green" if g.status == "same" else "red"
+            console.print(f"  {escape(g.label):<{width}}  [{color}]{g.status}[/{color}]")
     changed = [t for t in report.tensors if t.status != "equal"]
-    if changed:
+    listed = [t for t in changed if t.component not in summarized]
+    if listed:
         table = Table(title="tensors that differ")
         table.add_column("key", overflow="fold")
-        table.add_column("difference", overflow="fold")
-        for t in changed:
-            table.add_row(escape(t.key), escape(_describe(t)))
+        table.add_column("difference", no_wrap=True)
+        table.add_column("max |A-B|", no_wrap=True, justify="right")
+        for t in listed[:MAX_TENSORS]:
+            table.add_row(escape(t.key), *map(escape, _describe(t)))
         console.print(table)
+        _more(console, len(listed) - MAX_TENSORS, "tensor(s) differ")
     for c in report.components:
-        for d in c.state_differences:
+        if c.name in summarized:
+            continue
+        for d in c.state_differences[:MAX_STATE]:
             console.print(f"[red]state differs:[/red] {escape(d)}")
+        _more(console, len(c.state_differences) - MAX_STATE, f"state difference(s) in {c.name}")
     equal = len(report.tensors) - len(changed)
     verdict = "[green]identical[/green]" if report.identical else "[red]different[/red]"
     console.print(f"{verdict}: {equal} tensor(s) equal, {len(changed)} differ")
+
+
+def _more(console, left_out: int, what: str) -> None:
+    if left_out > 0:
+        console.print(f"... and {left_out} more {what} (--json lists all)")

@@ -9,10 +9,16 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from ..format import manifest
-from ..tools.exporting import EXPORT_DTYPES, export_safetensors
-from ..tools.inspection import locate, model_fqns
-from ._common import JsonOption, StepOption, emit_json, guard, human_bytes, progress, stdout
+from ._common import (
+    Command,
+    JsonOption,
+    StepOption,
+    emit_json,
+    guard,
+    human_bytes,
+    progress,
+    stdout,
+)
 
 HELP = """Write a checkpoint's model weights as one consolidated .safetensors file.
 
@@ -33,11 +39,11 @@ class ExportDtype(enum.StrEnum):
 
 
 def register(app: typer.Typer) -> None:
-    app.command("export", help=HELP)(export_command)
+    app.command("export", help=HELP, cls=Command)(export_command)
 
 
 def export_command(
-    path: Annotated[Path, typer.Argument(help="A run folder or one step folder.")],
+    path: Annotated[Path, typer.Argument(metavar="DIR", help="A run folder or one step folder.")],
     to: Annotated[Path, typer.Option("--to", help="The .safetensors file to write.")],
     dtype: Annotated[
         ExportDtype | None, typer.Option("--dtype", help="Cast floating-point weights.")
@@ -45,6 +51,10 @@ def export_command(
     step: StepOption = None,
     as_json: JsonOption = False,
 ) -> None:
+    from ..format import manifest
+    from ..tools.exporting import EXPORT_DTYPES, export_safetensors
+    from ..tools.inspection import locate, model_fqns
+
     with guard():
         folder = locate(path, step)
         doc = manifest.read(folder)
@@ -63,5 +73,9 @@ def export_command(
         f"{human_bytes(result.bytes)}, step {result.step}"
         + (f", {dtype.value}" if dtype is not None else "")
     )
+    for alias, target in result.tied.items():
+        console.print(
+            f"tied: {escape(alias)} = {escape(target)}, written once (as {escape(target)})"
+        )
     if result.skipped:
         console.print(f"[yellow]not exported (not tensors):[/yellow] {', '.join(result.skipped)}")

@@ -11,8 +11,7 @@ import typer
 from rich.markup import escape
 
 from ..errors import CheckpointError
-from ..tools.importing import build, import_checkpoint, load_factory
-from ._common import JsonOption, emit_json, guard, stdout, usage_error
+from ._common import Command, JsonOption, emit_json, guard, stdout, usage_error
 
 HELP = """Convert a checkpoint written by other code into an unbroken checkpoint.
 
@@ -41,12 +40,16 @@ bad --model, no step, DIR already holds the step)."""
 
 
 def register(app: typer.Typer) -> None:
-    app.command("import", help=HELP)(import_command)
+    app.command("import", help=HELP, cls=Command)(import_command)
 
 
 def import_command(
-    source: Annotated[Path, typer.Argument(help="A torch.save file or a DCP directory.")],
-    dest: Annotated[Path, typer.Argument(help="The run folder to save the checkpoint in.")],
+    source: Annotated[
+        Path, typer.Argument(metavar="SRC", help="A torch.save file or a DCP directory.")
+    ],
+    dest: Annotated[
+        Path, typer.Argument(metavar="DIR", help="The run folder to save the checkpoint in.")
+    ],
     model: Annotated[
         str, typer.Option("--model", help="package.module:factory building the live objects.")
     ],
@@ -59,6 +62,8 @@ def import_command(
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
+    from ..tools.importing import build, import_checkpoint, load_factory
+
     if os.getcwd() not in sys.path:  # like `python -m`: the factory's module may be local
         sys.path.insert(0, os.getcwd())
     try:

@@ -10,20 +10,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..format import manifest
-from ..format.tensor_reader import TensorReader
-from ..tools.coverage import optimizer_coverage
-from ..tools.inspection import (
-    components_of,
-    is_step_folder,
-    locate,
-    retired_checkpoints,
-    step_folders,
-    summarize,
-    tensors_of,
-)
 from ._common import (
     EXIT_FAILED,
+    Command,
     JsonOption,
     StepOption,
     emit_json,
@@ -53,14 +42,16 @@ not exist."""
 
 
 def register(app: typer.Typer) -> None:
-    app.command("inspect", help=HELP)(inspect_command)
+    app.command("inspect", help=HELP, cls=Command)(inspect_command)
 
 
 def inspect_command(
-    path: Annotated[Path, typer.Argument(help="A run folder or one step folder.")],
+    path: Annotated[Path, typer.Argument(metavar="DIR", help="A run folder or one step folder.")],
     step: StepOption = None,
     as_json: JsonOption = False,
 ) -> None:
+    from ..tools.inspection import is_step_folder, locate
+
     with guard():
         if step is None and not is_step_folder(path):
             _list(path, as_json)
@@ -69,6 +60,8 @@ def inspect_command(
 
 
 def _list(path: Path, as_json: bool) -> None:
+    from ..tools.inspection import retired_checkpoints, step_folders, summarize
+
     summaries = [summarize(folder) for folder in step_folders(path, damaged=True)]
     sound = [s for s in summaries if not s.error]
     newest = sound[-1] if sound else None
@@ -77,23 +70,24 @@ def _list(path: Path, as_json: bool) -> None:
         emit_json({"path": str(path), "checkpoints": summaries,
                    "branch": newest.lineage if newest else [], "retired": retired})  # fmt: skip
     else:
-        table = Table(title=f"committed checkpoints in {path}")
-        for col in ("step", "created", "size", "world", "torch", "unbroken", "lineage"):
-            table.add_column(col, justify="right" if col in ("step", "size", "world") else "left")
+        # Versions are usually the same for every step: said once under the table, a
+        # column only when they differ (the lineage keeps room at 80 columns).
+        versions = {_versions(s) for s in summaries if not s.error}
+        table = Table(title=f"committed checkpoints in {path}",
+                      caption=f"saved with {versions.pop()}" if len(versions) == 1 else None)  # fmt: skip
+        columns = ["step", "created", "size", "world"] + (["versions"] if versions else [])
+        for col in columns:
+            table.add_column(col, no_wrap=True, justify="left" if col == "created" else "right")
+        table.add_column("lineage", overflow="fold", min_width=20)
         for s in summaries:
             if s.error:
                 table.add_row(str(s.step), "[red]DAMAGED[/red]", human_bytes(s.size_bytes),
-                              "", "", "", escape(s.error))  # fmt: skip
+                              "", *[""] * (len(columns) - 4), escape(s.error))  # fmt: skip
                 continue
-            table.add_row(
-                str(s.step),
-                when(s.created_unix),
-                human_bytes(s.size_bytes),
-                str(s.world_size),
-                s.versions.get("torch", "?"),
-                s.versions.get("unbroken", "?"),
-                lineage_text(s.lineage),
-            )
+            row = [str(s.step), when(s.created_unix), human_bytes(s.size_bytes), str(s.world_size)]
+            if versions:
+                row.append(_versions(s).replace(", ", "\n"))
+            table.add_row(*row, lineage_text(s.lineage))
         stdout().print(table)
         _print_branch(newest, retired)
     if any(s.error and s.committed for s in summaries):  # verify fails on the others
@@ -125,7 +119,16 @@ def _print_branch(newest, retired) -> None:
         console.print(table)
 
 
+def _versions(s: Any) -> str:
+    return f"torch {s.versions.get('torch', '?')}, unbroken {s.versions.get('unbroken', '?')}"
+
+
 def _detail(folder: Path, as_json: bool) -> None:
+    from ..format import manifest
+    from ..format.tensor_reader import TensorReader
+    from ..tools.coverage import optimizer_coverage
+    from ..tools.inspection import components_of, tensors_of
+
     doc = manifest.read(folder)
     tensors = tensors_of(doc)
     components = components_of(doc, tensors)
@@ -169,8 +172,9 @@ def _detail(folder: Path, as_json: bool) -> None:
                       human_bytes(c.bytes))  # fmt: skip
     console.print(table)
     table = Table(title="tensors")
-    for col in ("key", "shape", "dtype", "bytes"):
-        table.add_column(col, overflow="fold")
+    table.add_column("key", overflow="fold")
+    for col in ("shape", "dtype", "bytes"):
+        table.add_column(col, no_wrap=True)
     for t in tensors:
         table.add_row(
             escape(t.key), "x".join(map(str, t.shape)) or "scalar", t.dtype, human_bytes(t.bytes)
@@ -183,7 +187,7 @@ def _detail(folder: Path, as_json: bool) -> None:
 def _print_coverage(console, coverage) -> None:
     table = Table(title="optimizer coverage")
     for col in ("parameter", "group", "state entries", "step", "flag"):
-        table.add_column(col, overflow="fold")
+        table.add_column(col, overflow="fold", no_wrap=col in ("group", "step"))
     for p in coverage.params:
         flag = "" if p.in_model else "[red]not a model tensor[/red]"
         if not p.entries:
@@ -196,3 +200,5 @@ def _print_coverage(console, coverage) -> None:
         console.print(f"[red]problem:[/red] {escape(message)}")
     for message in coverage.warnings():
         console.print(f"[yellow]note:[/yellow] {escape(message)}")
+    for alias, target in coverage.tied.items():
+        console.print(f"tied: {escape(alias)} is {escape(target)} (optimized under that name)")

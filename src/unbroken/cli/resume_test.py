@@ -9,8 +9,16 @@ from typing import Annotated
 
 import typer
 
-from ..testing import RunFailed, resume_test
-from ._common import EXIT_FAILED, JsonOption, emit_json, guard, stderr, stdout
+from ._common import (
+    EXIT_FAILED,
+    Command,
+    JsonOption,
+    emit_json,
+    guard,
+    report_error,
+    stderr,
+    stdout,
+)
 
 HELP = """Run CMD straight, then stopped at step K and resumed, and compare.
 
@@ -29,6 +37,8 @@ def register(app: typer.Typer) -> None:
     app.command(
         "resume-test",
         help=HELP,
+        cls=Command,
+        options_metavar="[OPTIONS] -- CMD ...",
         context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     )(resume_test_command)
 
@@ -50,6 +60,8 @@ def resume_test_command(
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
+    from ..testing import RunFailed, resume_test
+
     command = list(ctx.args)
     if not command:
         raise typer.BadParameter("give the training command after --, containing {dir}")
@@ -57,7 +69,8 @@ def resume_test_command(
         raise typer.BadParameter("the command must contain {dir} (its checkpoint folder)")
     work = workdir or Path(tempfile.mkdtemp(prefix="unbroken-resume-test-"))
     if not as_json:
-        stderr().print(f"resume test in {work}: running {shlex.join(command)}")
+        stderr().print(f"resume test in {work}: running {shlex.join(command)}",
+                       markup=False, soft_wrap=True)  # fmt: skip
     with guard():
         try:
             result = resume_test(
@@ -69,7 +82,7 @@ def resume_test_command(
                 timeout=timeout,
             )
         except (RunFailed, ValueError) as exc:
-            stderr().print(f"{type(exc).__name__}: {exc}", markup=False)
+            report_error(exc)  # plain text, unwrapped: paths and tracebacks stay whole
             raise typer.Exit(EXIT_FAILED) from None
     if as_json:
         emit_json(result)

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 
-from ..tools.audit import AuditReport, audit, total_bytes
-from ..tools.inspection import is_step_folder, locate, step_folders
 from ._common import (
     EXIT_FAILED,
+    Command,
     JsonOption,
     StepOption,
     emit_json,
@@ -20,6 +19,9 @@ from ._common import (
     progress,
     stdout,
 )
+
+if TYPE_CHECKING:
+    from ..tools.audit import AuditReport
 
 HELP = """Verify committed checkpoints completely, reading every byte.
 
@@ -38,15 +40,17 @@ MAX_SHOWN = 20
 
 
 def register(app: typer.Typer) -> None:
-    app.command("verify", help=HELP)(verify_command)
+    app.command("verify", help=HELP, cls=Command)(verify_command)
 
 
 def verify_command(
-    path: Annotated[Path, typer.Argument(help="A run folder or one step folder.")],
+    path: Annotated[Path, typer.Argument(metavar="DIR", help="A run folder or one step folder.")],
     step: StepOption = None,
     every: Annotated[bool, typer.Option("--all", help="Verify every committed step.")] = False,
     as_json: JsonOption = False,
 ) -> None:
+    from ..tools.audit import audit, total_bytes
+
     if every and step is not None:
         raise typer.BadParameter("--step and --all exclude each other")
     with guard():
@@ -67,6 +71,8 @@ def verify_command(
 def _folders(path: Path, step: int | None, every: bool) -> list[Path]:
     """The folders to audit: the step asked for; else the latest (or every) committed
     one and every step folder without manifest.json (damaged: its audit fails)."""
+    from ..tools.inspection import is_step_folder, locate, step_folders
+
     if step is not None:
         return [locate(path, step)]
     folders = step_folders(path, damaged=True)

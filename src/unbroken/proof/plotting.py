@@ -1,11 +1,37 @@
-"""PNG plots of tracked metrics, resume points marked (matplotlib, no display needed)."""
+"""PNG plots of tracked metrics, resume points marked (matplotlib, no display needed).
+
+matplotlib is an optional extra (``unbroken[plot]``): without it every function here
+raises ``ImportError`` with the line to install it, and the callers go on without a plot.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
+from typing import Any
 
 from .metrics import Series
+
+MISSING = "plots need matplotlib, which is not installed: pip install 'unbroken[plot]'"
+_STYLES = ["-", "--", ":", "-."]
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg back-end.
+
+    Raises:
+        ImportError: matplotlib is not installed (or cannot be imported); the message says
+            how to install it.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(MISSING) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def plot_series(
@@ -18,41 +44,126 @@ def plot_series(
     """Plot every metric of every run (one panel per metric) to ``out``; returns its path.
 
     ``marks`` adds labelled vertical lines (e.g. ``{"stopped": 25}``); each run's own
-    resume points are marked too.
+    resume points are gray lines labelled with their step.
+
+    Raises:
+        ImportError: no matplotlib. ValueError: no tracked metrics.
     """
-    try:
-        import matplotlib
-    except ImportError:
-        raise ImportError(
-            "plots need matplotlib: pip install 'unbroken[plot]' (or pass plot=False)"
-        ) from None
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = sorted({name for s in runs.values() for name in s.values})
-    if not names:
-        raise ValueError("no tracked metrics to plot: call ckpt.track(step, loss=...) in training")
+    plt = pyplot()
+    names = _names(runs)
     fig, axes = plt.subplots(
         len(names), 1, figsize=(8, 2.6 * len(names)), sharex=True, squeeze=False
     )
-    styles = ["-", "--", ":", "-."]
-    for ax, name in zip(axes[:, 0], names, strict=True):
+    _metric_panels(axes[:, 0], names, runs, marks or {})
+    axes[-1, 0].set_xlabel("step (gray lines: resumes)")
+    return _save(plt, fig, out, title)
+
+
+def plot_resume_test(
+    straight: Series,
+    resumed: Series,
+    out: str | os.PathLike,
+    *,
+    stop_at: int,
+    title: str = "",
+    first_difference: int | None = None,
+) -> str:
+    """The resume test's plot: each metric, straight and stopped + resumed, and below them
+    a panel of the difference (resumed minus straight, symlog), the first differing step
+    marked, so a failed verdict shows its cause.
+
+    Raises:
+        ImportError: no matplotlib. ValueError: no tracked metrics.
+    """
+    plt = pyplot()
+    runs = {"straight": straight, "stopped + resumed": resumed}
+    names = _names(runs)
+    fig, axes = plt.subplots(
+        len(names) + 1,
+        1,
+        figsize=(8, 2.6 * len(names) + 2.8),
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": [1] * len(names) + [1.1]},
+    )
+    marks = {"stop": stop_at}
+    if first_difference is not None:
+        marks["first difference"] = first_difference
+    _metric_panels(axes[:-1, 0], names, runs, marks)
+    _difference_panel(axes[-1, 0], names, straight, resumed, stop_at, first_difference)
+    axes[-1, 0].set_xlabel("step")
+    return _save(plt, fig, out, title)
+
+
+def _names(runs: Mapping[str, Series]) -> list[str]:
+    names = sorted({name for s in runs.values() for name in s.values})
+    if not names:
+        raise ValueError("no tracked metrics to plot: call ckpt.track(step, loss=...) in training")
+    return names
+
+
+def _metric_panels(axes, names, runs: Mapping[str, Series], marks: Mapping[str, int]) -> None:
+    resumes = sorted({r for s in runs.values() for r in s.resumes} - set(marks.values()))
+    for row, (ax, name) in enumerate(zip(axes, names, strict=True)):
         for i, (label, series) in enumerate(runs.items()):
             points = series.values.get(name, [])
             if points:
                 steps, values = zip(*points, strict=True)
-                ax.plot(steps, values, styles[i % len(styles)], label=label, linewidth=1.4)
-            for r in series.resumes:
-                ax.axvline(r, color="tab:gray", linewidth=0.8, alpha=0.7)
-        for label, step in (marks or {}).items():
-            ax.axvline(
-                step, color="tab:red", linewidth=1.0, linestyle="--", label=f"{label} ({step})"
-            )
+                ax.plot(steps, values, _STYLES[i % len(_STYLES)], label=label, linewidth=1.4)
+        for r in resumes:
+            ax.axvline(r, color="tab:gray", linewidth=0.8, alpha=0.7)
+            if row == 0:  # the label once, at the top: the line runs through every panel
+                _label_line(ax, r, f"resumed from {r}", "tab:gray")
+        _marks(ax, marks)
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper right")
-    axes[-1, 0].set_xlabel("step (gray lines: resumes)")
+
+
+def _marks(ax, marks: Mapping[str, int]) -> None:
+    colors = {"stop": "tab:red", "first difference": "tab:purple"}
+    for label, step in marks.items():
+        ax.axvline(step, color=colors.get(label, "tab:red"), linewidth=1.0, linestyle="--",
+                   label=f"{label} ({step})")  # fmt: skip
+
+
+def _label_line(ax, x: float, text: str, color: str) -> None:
+    ax.annotate(text, xy=(x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
+                textcoords="offset points", rotation=90, va="top", ha="left", fontsize=7,
+                color=color)  # fmt: skip
+
+
+def _difference_panel(ax, names, straight: Series, resumed: Series, stop_at: int,
+                      first_difference: int | None) -> None:  # fmt: skip
+    smallest = math.inf
+    for i, name in enumerate(names):
+        a = dict(straight.values.get(name, []))
+        b = dict(resumed.values.get(name, []))
+        steps = sorted(a.keys() & b.keys())
+        diffs = [b[s] - a[s] for s in steps]
+        smallest = min([smallest, *(abs(d) for d in diffs if d != 0 and math.isfinite(d))])
+        if steps:
+            ax.plot(steps, diffs, _STYLES[i % len(_STYLES)], marker=".", markersize=3,
+                    linewidth=1.2, label=name)  # fmt: skip
+    # Linear within the smallest difference seen, logarithmic beyond: a 1e-7 difference
+    # right after the stop and a 1.0 difference later are both visible, and zero is zero.
+    linthresh = smallest if math.isfinite(smallest) else 1.0
+    ax.set_yscale("symlog", linthresh=linthresh)
+    ax.axhline(0.0, color="black", linewidth=0.6)
+    marks = {"stop": stop_at}
+    if first_difference is not None:
+        marks["first difference"] = first_difference
+    _marks(ax, marks)
+    if not math.isfinite(smallest):
+        ax.set_ylim(-1.0, 1.0)
+        ax.text(0.5, 0.75, "no difference: every value identical", transform=ax.transAxes,
+                ha="center", fontsize=9, color="tab:green")  # fmt: skip
+    ax.set_ylabel("resumed - straight\n(symlog)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+
+
+def _save(plt, fig, out: str | os.PathLike, title: str) -> str:
     if title:
         fig.suptitle(title)
     fig.tight_layout()

@@ -1,11 +1,16 @@
 """Run one training command (argv, shell string or importable function) in a fresh
 process for the resume harness, its output kept in a log file.
+
+When a run fails, the error shows the exception that stopped it, found in the log: the
+first Python traceback's final line(s), of the failing rank under torchrun, rather than
+torchrun's own ``ChildFailedError`` report.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import shlex
 import subprocess
 from collections.abc import Callable, Sequence
@@ -36,8 +41,7 @@ def run(command: Command, folder: Path, env: dict[str, str], log: Path, timeout)
             argv, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, check=False
         )
     if proc.returncode != 0:
-        tail = "".join(log.read_text(encoding="utf-8", errors="replace").splitlines(True)[-15:])
-        raise RunFailed(f"{shlex.join(argv)} exited with {proc.returncode}; log {log}:\n{tail}")
+        raise RunFailed(_failure(f"{shlex.join(argv)} exited with {proc.returncode}", log))
 
 
 def _call_in_child(fn: Callable[[str], object], folder: str, env: dict[str, str], log: str) -> None:
@@ -59,9 +63,91 @@ def _run_callable(fn, folder: str, env: dict[str, str], log: Path, timeout) -> N
         proc.kill()
         raise RunFailed(f"{fn.__qualname__}({folder!r}) timed out after {timeout}s")
     if proc.exitcode != 0:
-        tail = (
-            "".join(log.read_text(errors="replace").splitlines(True)[-15:]) if log.exists() else ""
-        )
-        raise RunFailed(
-            f"{fn.__qualname__}({folder!r}) exited with {proc.exitcode}; log {log}:\n{tail}"
-        )
+        raise RunFailed(_failure(f"{fn.__qualname__}({folder!r}) exited with {proc.exitcode}", log))
+
+
+# torchrun --tee / --log-dir (or TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE) prefixes each
+# line of a worker with its role and rank: "[default1]:", "[trainer0]:", "[rank1]:", "[1]:".
+_PREFIX = re.compile(r"^\[([A-Za-z_]*)(\d+)\]:")
+# torchrun's "Root Cause (first observed failure)" section names the failing rank.
+_ROOT_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)")
+# glog/c10 log lines ("E1122 12:16:03.44 ...", "[W1122 12:16:03 ...]") end a message.
+_LOG_LINE = re.compile(r"^\[?[IWEF]\d{4} \d\d:\d\d:\d\d")
+_MAX_MESSAGE_LINES = 12
+
+
+def _failure(what: str, log: Path) -> str:
+    """``what`` and the failing rank's exception from ``log`` (or the log's tail)."""
+    text = log.read_text(encoding="utf-8", errors="replace") if log.exists() else ""
+    rank, exception, own = failing_exception(text)
+    if exception:
+        if rank is None:
+            who = "it raised"
+        elif own:
+            who = f"rank {rank} raised"
+        else:  # unprefixed output of several ranks: the first traceback is the best guess
+            who = f"rank {rank} failed first; the log's first exception"
+        shown = "\n".join(f"  {line}" for line in exception)
+        return f"{what}; {who}:\n{shown}\nfull log: {log}"
+    tail = "".join(text.splitlines(True)[-15:])
+    return f"{what}; log {log}:\n{tail}"
+
+
+def failing_exception(text: str) -> tuple[int | None, list[str], bool]:
+    """(rank, exception lines, whether the lines are surely that rank's) of a failed run,
+    from its combined output.
+
+    The exception is the final line(s) of the first Python traceback (``ValueError: ...``
+    and the rest of a multi-line message). Under torchrun the failing rank comes from the
+    "Root Cause" section; with prefixed lines (``[default1]:``) only that rank's lines are
+    read; without, the child's traceback precedes torchrun's own, which is skipped.
+    Returns (None, [], False) if no traceback is found.
+    """
+    lines = text.splitlines()
+    rank = local = None
+    for line in lines:
+        m = _ROOT_RANK.match(line)
+        if m:
+            rank, local = int(m.group(1)), int(m.group(2))
+            break
+    by_rank: dict[int, list[str]] = {}
+    plain: list[str] = []
+    for line in lines:
+        m = _PREFIX.match(line)
+        if m:
+            by_rank.setdefault(int(m.group(2)), []).append(line[m.end() :])
+        else:
+            plain.append(line)
+    # The failing rank's own lines first (prefixes carry the local rank by default, the
+    # global one with a "[rank${rank}]:" template), then any rank's, then the rest.
+    order = [n for n in dict.fromkeys((local, rank)) if n is not None and n in by_rank]
+    order += [n for n in sorted(by_rank) if n not in order]
+    for n in order:
+        found = _first_exception(by_rank[n])
+        if found:
+            return n, found, True
+    return rank, _first_exception(plain), False
+
+
+def _first_exception(lines: list[str]) -> list[str]:
+    for i, line in enumerate(lines):
+        if not line.startswith("Traceback (most recent call last):"):
+            continue
+        j = i + 1
+        while j < len(lines) and lines[j][:1].isspace():  # the frames are indented
+            j += 1
+        if j == len(lines) or "ChildFailedError" in lines[j]:
+            continue  # torchrun's own traceback: not the cause
+        out = [lines[j]]
+        for more in lines[j + 1 : j + _MAX_MESSAGE_LINES]:
+            if (
+                not more.strip()
+                or _LOG_LINE.match(more)
+                or more.startswith(
+                    ("Traceback (most recent call last):", "During handling", "The above exception")
+                )
+            ):
+                break
+            out.append(more)
+        return out
+    return []

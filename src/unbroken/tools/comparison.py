@@ -5,14 +5,17 @@ state saved from 1 process compare equal. Equal fingerprints (layout-independent
 for equal values unless ``full=True``; otherwise both tensors are read (checksums
 verified) and compared bit for bit, with the largest absolute difference reported.
 Per-rank components (rng, dataloader) are compared rank by rank when the world sizes
-match and are skipped (and listed) when they do not. Non-tensor state (hyperparameters,
-scheduler counters) is compared too.
+match and are skipped (and listed) when they do not; the RNG state is also summarized
+one generator at a time (python random, numpy, torch CPU/CUDA: same or differs).
+Non-tensor state (hyperparameters, scheduler counters) is compared too. Keys are sorted
+naturally: ``layers.2`` before ``layers.10``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +24,7 @@ import torch
 
 from ..format import manifest
 from ..format.tensor_reader import TensorReader
+from ..proof.generators import differing, label
 from .inspection import component_skeletons, tensor_components
 
 Status = Literal["equal", "values", "dtype", "shape", "only_a", "only_b"]
@@ -54,11 +58,22 @@ class ComponentSummary:
 
 
 @dataclasses.dataclass
+class GeneratorDiff:
+    """One random number generator of the ``rng`` component, on one rank."""
+
+    rank: int
+    generator: str  # python, numpy, torch, cuda
+    label: str  # "torch CPU", "numpy (rank 1)", ...
+    status: Literal["same", "differs"]
+
+
+@dataclasses.dataclass
 class DiffReport:
     a: dict[str, Any]
     b: dict[str, Any]
     tensors: list[TensorDiff]
     components: list[ComponentSummary]
+    rng: list[GeneratorDiff] = dataclasses.field(default_factory=list)  # when compared
 
     @property
     def identical(self) -> bool:
@@ -115,7 +130,7 @@ def diff(
                 component_skeletons(doc_a, name), component_skeletons(doc_b, name), name
             )
     rows: list[TensorDiff] = []
-    keys = sorted(set(doc_a["tensors"]) | set(doc_b["tensors"]))
+    keys = sorted(set(doc_a["tensors"]) | set(doc_b["tensors"]), key=natural_key)
     with TensorReader(a, doc_a) as ra, TensorReader(b, doc_b) as rb:
         for key in keys:
             comp = owner_a.get(key) or owner_b.get(key)
@@ -139,7 +154,17 @@ def diff(
     for s in summaries.values():
         if s.status == "identical" and (s.different or s.only_a or s.only_b or s.state_differences):
             s.status = "different"
-    return DiffReport(_meta(a, doc_a), _meta(b, doc_b), rows, list(summaries.values()))
+    rng = []
+    if "rng" in summaries and summaries["rng"].status not in ("skipped", "only_a", "only_b"):
+        ws = doc_b["world_size"]
+        rng = [GeneratorDiff(r, g, label(r, g, ws), "differs" if d else "same")
+               for (r, g), d in differing(doc_a, doc_b).items()]  # fmt: skip
+    return DiffReport(_meta(a, doc_a), _meta(b, doc_b), rows, list(summaries.values()), rng)
+
+
+def natural_key(text: str) -> list[Any]:
+    """Sort key putting ``layers.2`` before ``layers.10`` (digit runs compare as numbers)."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def _compare(key, comp, doc_a, doc_b, ra, rb, full) -> TensorDiff:

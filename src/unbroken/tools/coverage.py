@@ -3,7 +3,9 @@
 Silent loss of optimizer state (DESIGN.md F1, F3) shows up on disk as parameters in a
 param group with no state, state keyed by an FQN the model does not have, or model
 parameters that no optimizer group holds. This module finds each of them in a committed
-checkpoint without live objects.
+checkpoint without live objects. A tied weight (``lm_head.weight`` that is
+``wte.weight``) is optimized under its parameter's name: it is listed as tied, not as a
+tensor in no param group.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from ..errors import CheckpointError
 from ..live.optimizer import PARAM_SHAPED
 from .inspection import model_fqns
+from .tying import tied_weights
 
 _TAG = "__ub__"
 _FLOATING = {"float64", "float32", "float16", "bfloat16", "complex64", "complex128"}
@@ -47,6 +50,7 @@ class OptimizerCoverage:
     shape_mismatches: list[str] = dataclasses.field(default_factory=list)
     missing_tensors: list[str] = dataclasses.field(default_factory=list)
     unreadable_steps: list[str] = dataclasses.field(default_factory=list)
+    tied: dict[str, str] = dataclasses.field(default_factory=dict)  # alias -> its parameter
 
     def failures(self) -> list[str]:
         out = [f"optimizer state for {f!r}, which is not a model parameter (FQNs orphaned)"
@@ -103,8 +107,12 @@ def optimizer_coverage(
         grouped |= members
         cov.state_without_group += sorted(set(state) - members)
     params = doc["components"].get("model", {}).get("parameters")
+    ties = tied_weights(doc)
     for fqn, key in sorted(model.items()):
         if fqn in grouped or doc["tensors"].get(key, {}).get("dtype") not in _FLOATING:
+            continue
+        if fqn in ties:  # the same parameter as ties[fqn], optimized under that name
+            cov.tied[fqn] = ties[fqn]
             continue
         if params is not None and fqn in params:  # trainable, yet nothing optimizes it
             cov.unoptimized_parameters.append(fqn)

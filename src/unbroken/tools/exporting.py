@@ -7,6 +7,14 @@ manifest's shapes and dtypes alone, so we write the header first and then stream
 tensor at a time: peak memory is the largest tensor (plus its cast copy), whatever the
 model size. The file is written beside the target and renamed into place when complete.
 Each tensor's checksums and fingerprint are verified before it is written.
+
+A tied weight (``lm_head.weight`` that *is* ``wte.weight``) is written once, as Hugging
+Face's ``save_pretrained`` does: under the name ``named_parameters()`` gives it (the
+first one module traversal meets, usually the embedding), the other name recorded in the
+metadata (``tied_weights``: JSON ``{alias: name written}``). ``safetensors.torch.
+load_model(model, file)`` and ``from_pretrained`` accept such a file for the tied model;
+``load_state_dict(..., strict=False)`` reports the alias as the only missing key, and it
+needs no value: it is the same parameter. See ``tying.py`` for how ties are found.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from ..format.manifest import DTYPES
 from ..format.shards import tensor_bytes
 from ..format.tensor_reader import TensorReader
 from .inspection import model_fqns
+from .tying import confirm, tied_weights
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -49,6 +58,7 @@ class ExportResult:
     bytes: int
     metadata: dict[str, str]
     skipped: list[str]  # model state entries that are not tensors
+    tied: dict[str, str] = dataclasses.field(default_factory=dict)  # alias -> name written
 
 
 def _target_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
@@ -56,12 +66,17 @@ def _target_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
     return dtype if dtype is not None and saved in _CASTABLE else saved
 
 
-def plan(doc: dict[str, Any], dtype: torch.dtype | None) -> list[tuple[str, str, torch.dtype]]:
-    """(safetensors name, manifest key, output dtype) for every model tensor."""
+def plan(
+    doc: dict[str, Any], dtype: torch.dtype | None, *, leave_out: frozenset[str] = frozenset()
+) -> list[tuple[str, str, torch.dtype]]:
+    """(safetensors name, manifest key, output dtype) for every model tensor written
+    (all but the FQNs in ``leave_out``: aliases of tied weights)."""
     if "model" not in doc["components"]:
         raise IncompleteCheckpointError("the checkpoint has no 'model' component to export")
     out = []
     for name, key in sorted(model_fqns(doc).items()):
+        if name in leave_out:
+            continue
         target = _target_dtype(DTYPES[doc["tensors"][key]["dtype"]], dtype)
         if target not in SAFETENSORS_DTYPES:
             raise StateMismatchError(f"{name}: dtype {target} cannot be stored in safetensors")
@@ -102,8 +117,9 @@ def export_safetensors(
     """Write the model weights of the checkpoint in ``folder`` to ``to`` (safetensors).
 
     Keys are the model's FQNs (``<name>.<fqn>`` for a dict of models); floating-point
-    tensors are cast to ``dtype`` if given. Metadata: ``step``, ``source``,
-    ``unbroken_version``, ``world_size``, ``format`` (``pt``).
+    tensors are cast to ``dtype`` if given; a tied weight is written once. Metadata:
+    ``step``, ``source``, ``unbroken_version``, ``world_size``, ``format`` (``pt``), and
+    ``tied_weights`` (JSON ``{alias: name written}``) if any weight is tied.
 
     Raises:
         CorruptCheckpointError: a chunk fails its checksum or a tensor its fingerprint.
@@ -114,7 +130,13 @@ def export_safetensors(
     if to.resolve().is_relative_to(folder.resolve()):
         raise CheckpointError(f"refusing to write {to} inside the checkpoint folder {folder}")
     doc = manifest.read(folder)
-    items = plan(doc, dtype)
+    if "model" not in doc["components"]:
+        raise IncompleteCheckpointError("the checkpoint has no 'model' component to export")
+    ties = tied_weights(doc)
+    if ties:  # confirmed on the bytes: equal values alone do not make a tie
+        with TensorReader(folder, doc) as reader:
+            ties = confirm(doc, ties, reader.read)
+    items = plan(doc, dtype, leave_out=frozenset(ties))
     metadata = {
         "format": "pt",
         "step": str(doc["step"]),
@@ -122,6 +144,8 @@ def export_safetensors(
         "unbroken_version": __version__,
         "world_size": str(doc["world_size"]),
     }
+    if ties:
+        metadata["tied_weights"] = json.dumps(ties, sort_keys=True)
     head, data_size = header(doc, items, metadata)
     partial = to.with_name(f".{to.name}.partial-{uuid.uuid4().hex[:8]}")
     to.parent.mkdir(parents=True, exist_ok=True)
@@ -137,6 +161,9 @@ def export_safetensors(
                     )
                 f.write(tensor_bytes(t.to(target)))
                 del t
+            if on_bytes is not None:  # aliases are not read: count them as done
+                fqns = model_fqns(doc)
+                on_bytes(sum(c["length"] for a in ties for c in doc["tensors"][fqns[a]]["chunks"]))
             f.flush()
             os.fsync(f.fileno())
         if partial.stat().st_size != len(head) + data_size:
@@ -146,7 +173,7 @@ def export_safetensors(
         partial.unlink(missing_ok=True)
         raise
     skipped = _non_tensor_model_state(doc)
-    return ExportResult(str(to), doc["step"], len(items), data_size, metadata, skipped)
+    return ExportResult(str(to), doc["step"], len(items), data_size, metadata, skipped, ties)
 
 
 def _non_tensor_model_state(doc: dict[str, Any]) -> list[str]:
