@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .core import branching, collective, restoring, saving
+from .core.candidates import Candidates
 from .core.staging import StagingBuffers
 from .errors import CheckpointError, CorruptCheckpointError
 from .format.storage import CheckpointDir
@@ -216,7 +217,7 @@ class Checkpointer:
         unknown = sorted(reset_set - set(names))
         if unknown:
             raise ValueError(f"reset names unknown component(s) {unknown}; known: {names}")
-        candidates = restoring.candidate_steps(self._dir, step)
+        candidates = Candidates(self._dir, step)  # newest first, re-listed
         world = collective.world_size()
         skipped = restoring.lost_manifests(self._dir)  # damaged folders, named in the report
         if not candidates:
@@ -231,12 +232,14 @@ class Checkpointer:
                 )
                 break
             except CorruptCheckpointError as exc:
+                if candidates.relisted():  # pruned or re-saved meanwhile: no damage
+                    continue
                 # Damage is detected before any live object is touched, so an older
                 # checkpoint can be tried. An explicitly requested step never falls back.
                 if step is not None:
                     raise
                 skipped.append(f"skipped the damaged checkpoint of step {chosen}: {exc}")
-                if chosen == candidates[-1]:
+                if not candidates:
                     raise CorruptCheckpointError(
                         f"no committed checkpoint in {self._dir.root} is sound: "
                         + "; ".join(skipped)

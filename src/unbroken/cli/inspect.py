@@ -10,16 +10,16 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from ..format import manifest
+from ..errors import CheckpointError
+from ..format import filesystem, manifest
 from ..format.tensor_reader import TensorReader
 from ..tools.coverage import optimizer_coverage
 from ..tools.inspection import (
     components_of,
     is_step_folder,
+    list_checkpoints,
     locate,
     retired_checkpoints,
-    step_folders,
-    summarize,
     tensors_of,
 )
 from ._common import (
@@ -52,6 +52,9 @@ Exit 0, or 1 if a manifest is damaged, 2 if DIR is not a checkpoint or the step 
 not exist."""
 
 
+MAX_RELISTS = 100  # how often --step reading may start over because a save changed it
+
+
 def register(app: typer.Typer) -> None:
     app.command("inspect", help=HELP)(inspect_command)
 
@@ -65,11 +68,11 @@ def inspect_command(
         if step is None and not is_step_folder(path):
             _list(path, as_json)
         else:
-            _detail(locate(path, step), as_json)
+            _detail(_read_detail(path, step), as_json)
 
 
 def _list(path: Path, as_json: bool) -> None:
-    summaries = [summarize(folder) for folder in step_folders(path, damaged=True)]
+    summaries = list_checkpoints(path)  # listed again if a concurrent save prunes one
     sound = [s for s in summaries if not s.error]
     newest = sound[-1] if sound else None
     retired = retired_checkpoints(path)
@@ -125,12 +128,26 @@ def _print_branch(newest, retired) -> None:
         console.print(table)
 
 
-def _detail(folder: Path, as_json: bool) -> None:
-    doc = manifest.read(folder)
+def _read_detail(path: Path, step: int | None) -> tuple[Path, dict[str, Any], Any]:
+    """The folder meant, its manifest and the optimizer's coverage. Located again if a
+    concurrent save prunes or re-saves it while it is read (not damage)."""
+    for _ in range(MAX_RELISTS):
+        folder = locate(path, step)
+        seen = filesystem.identity(folder)
+        try:
+            doc = manifest.read(folder)
+            with TensorReader(folder, doc) as reader:
+                return folder, doc, optimizer_coverage(doc, read=reader.read)
+        except CheckpointError:
+            if not filesystem.vanished(folder, seen):
+                raise
+    raise CheckpointError(f"{path} changed faster than it could be read")
+
+
+def _detail(found: tuple[Path, dict[str, Any], Any], as_json: bool) -> None:
+    folder, doc, coverage = found
     tensors = tensors_of(doc)
     components = components_of(doc, tensors)
-    with TensorReader(folder, doc) as reader:
-        coverage = optimizer_coverage(doc, read=reader.read)
     info: dict[str, Any] = {
         "path": str(folder),
         "step": doc["step"],
