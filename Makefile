@@ -44,4 +44,5 @@ RACE_SECONDS ?= 60
 reliability: $(STAMP)
 	UNBROKEN_RACE_SECONDS=$(RACE_SECONDS) $(PY) -m pytest -q -s \
 		tests/e2e/test_races.py tests/unit/test_concurrent_readers.py \
-		tests/cli/test_concurrent_readers.py tests/unit/test_resave_crash.py
+		tests/cli/test_concurrent_readers.py tests/unit/test_resave_crash.py \
+		tests/unit/test_unreadable.py

@@ -112,6 +112,10 @@ def read(directory: Path) -> dict[str, Any]:
         ) from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path} is not valid JSON ({exc}); it is damaged") from None
+    except CorruptCheckpointError:
+        raise
+    except OSError as exc:  # no permission, an I/O error: as unusable as a missing one
+        raise CorruptCheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{path} is not an unbroken manifest")
     version = doc.get("format_version")

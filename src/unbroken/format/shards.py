@@ -285,6 +285,11 @@ class ShardReader(StorageReader):
                 raise CorruptCheckpointError(
                     f"{path} is missing; this checkpoint cannot be restored, use an older step"
                 ) from None
+            except OSError as exc:  # no permission, an I/O error: as unusable as missing
+                raise CorruptCheckpointError(
+                    f"{path} cannot be read ({exc.strerror or exc}); this checkpoint cannot "
+                    "be restored: fix the file's permissions, or use an older step"
+                ) from None
             if got != expected:
                 raise CorruptCheckpointError(
                     f"{path} is truncated: {index.fqn!r} needs bytes {loc.offset}.."
