@@ -45,4 +45,4 @@ reliability: $(STAMP)
 	UNBROKEN_RACE_SECONDS=$(RACE_SECONDS) $(PY) -m pytest -q -s \
 		tests/e2e/test_races.py tests/unit/test_concurrent_readers.py \
 		tests/cli/test_concurrent_readers.py tests/unit/test_resave_crash.py \
-		tests/unit/test_unreadable.py
+		tests/unit/test_disk_full.py tests/unit/test_unreadable.py

@@ -20,6 +20,7 @@ import xxhash
 
 from ..errors import CorruptCheckpointError
 from . import layout
+from .filesystem import SAVE_FIX, writing
 from .storage import folder_step, step_dir_name
 
 FORMAT = "unbroken-checkpoint"
@@ -52,11 +53,16 @@ def _digest(body: dict[str, Any]) -> str:
 
 
 def write(directory: Path, body: dict[str, Any]) -> None:
-    """Write ``manifest.json`` (with its own checksum) and fsync it."""
+    """Write ``manifest.json`` (with its own checksum) and fsync it.
+
+    Raises:
+        CheckpointError: the write failed (a full disk, say), naming the path and the
+            free space.
+    """
     doc = dict(body, format=FORMAT, format_version=FORMAT_VERSION)
     doc["manifest_checksum"] = _digest(doc)
     path = directory / "manifest.json"
-    with open(path, "w", encoding="utf-8") as f:
+    with writing(path, "writing", SAVE_FIX), open(path, "w", encoding="utf-8") as f:
         json.dump(_layout(doc), f, indent=1, allow_nan=False)
         f.flush()
         os.fsync(f.fileno())
