@@ -217,7 +217,7 @@ class Checkpointer:
         unknown = sorted(reset_set - set(names))
         if unknown:
             raise ValueError(f"reset names unknown component(s) {unknown}; known: {names}")
-        candidates = Candidates(self._dir, step)  # newest first, re-listed
+        candidates = Candidates(self._dir, step, restoring.candidate_steps)  # re-listed
         world = collective.world_size()
         skipped = restoring.lost_manifests(self._dir)  # damaged folders, named in the report
         if not candidates:

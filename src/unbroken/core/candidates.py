@@ -9,14 +9,13 @@ the reader goes on with what is committed now (docs/reliability.md).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..format import filesystem
 from ..format.storage import CheckpointDir
 from . import collective
-from .restoring import candidate_steps
 
 logger = logging.getLogger(__name__)
 MAX_RELISTS = 100  # how often checkpoints may vanish while one restore() reads them
@@ -37,9 +36,15 @@ class Candidates:
     no damage: when reading the step just yielded failed, call :meth:`relisted` first.
     Collective, like the reads.
 
+    Args:
+        ckdir: the run folder.
+        step: the step asked for, or None (the newest sound one).
+        list_steps: ``(ckdir, step) -> steps newest first``, collective (cleans leftovers
+            if no save is under way): ``candidate_steps`` of the restore path.
+
     Example::
 
-        for chosen in (candidates := Candidates(ckdir, None)):
+        for chosen in (candidates := Candidates(ckdir, None, candidate_steps)):
             try:
                 ...  # read_manifest, restore
                 break
@@ -49,9 +54,14 @@ class Candidates:
                 ...  # the damage: skip it, or raise
     """
 
-    def __init__(self, ckdir: CheckpointDir, step: int | None) -> None:
-        self._ckdir, self._step = ckdir, step
-        self._pending = candidate_steps(ckdir, step)
+    def __init__(
+        self,
+        ckdir: CheckpointDir,
+        step: int | None,
+        list_steps: Callable[[CheckpointDir, int | None], list[int]],
+    ) -> None:
+        self._ckdir, self._step, self._list = ckdir, step, list_steps
+        self._pending = list_steps(ckdir, step)
         self._current: int | None = None
         self._seen: filesystem.Identity | None = None
         self._damaged: set[int] = set()
@@ -87,7 +97,7 @@ class Candidates:
                 "while other processes restore"
             )
         self._relists += 1
-        listed = candidate_steps(self._ckdir, self._step)
+        listed = self._list(self._ckdir, self._step)
         self._pending = [s for s in listed if s not in self._damaged]
         if not self._pending:
             raise CheckpointNotFoundError(
