@@ -54,3 +54,14 @@ clean:
 .PHONY: bench
 bench: $(STAMP)
 	$(PY) benchmarks/save_restore.py --write-docs
+
+# Reader/writer races for a minute (the suite runs them for a few seconds) and the other
+# concurrency and fault tests of docs/reliability.md: the verdict must be zero false
+# failures, whatever the timing. Prints each role's figures (race: {...}).
+RACE_SECONDS ?= 60
+.PHONY: reliability
+reliability: $(STAMP)
+	UNBROKEN_RACE_SECONDS=$(RACE_SECONDS) $(PY) -m pytest -q -s \
+		tests/e2e/test_races.py tests/unit/test_concurrent_readers.py \
+		tests/cli/test_concurrent_readers.py tests/unit/test_resave_crash.py \
+		tests/unit/test_disk_full.py tests/unit/test_unreadable.py

@@ -178,7 +178,7 @@ class Checkpointer:
         self._fork = None  # the branch is committed; its abandoned steps are retired
         self._owns_folder = True
         retention.apply_retention(self._dir, staged.request.step, self._keep_last)
-        self._flush_metrics()
+        self._flush_metrics(strict=False)  # committed: a failure is a warning (see flush)
 
     def _finish_save_in_background(self, staged: saving.Staged) -> None:
         with collective.using(self._group):
@@ -325,8 +325,8 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
 
-    def _flush_metrics(self) -> None:
-        collective.agree(self._metrics.flush, only_rank0=True)
+    def _flush_metrics(self, strict: bool = True) -> None:
+        collective.agree(lambda: self._metrics.flush(strict=strict), only_rank0=True)
 
     def _note_branch_and_replay(self) -> list[int]:
         """Before a save (collective): the abandoned steps this save retires, if it is the

@@ -41,6 +41,9 @@ Exit 0, or 1 if a manifest is damaged, 2 if DIR is not a checkpoint or the step 
 not exist."""
 
 
+MAX_RELISTS = 100  # how often --step reading may start over because a save changed it
+
+
 def register(app: typer.Typer) -> None:
     app.command("inspect", help=HELP, cls=Command)(inspect_command)
 
@@ -50,19 +53,19 @@ def inspect_command(
     step: StepOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    from ..tools.inspection import is_step_folder, locate
+    from ..tools.inspection import is_step_folder
 
     with guard():
         if step is None and not is_step_folder(path):
             _list(path, as_json)
         else:
-            _detail(locate(path, step), as_json)
+            _detail(_read_detail(path, step), as_json)
 
 
 def _list(path: Path, as_json: bool) -> None:
-    from ..tools.inspection import retired_checkpoints, step_folders, summarize
+    from ..tools.inspection import list_checkpoints, retired_checkpoints
 
-    summaries = [summarize(folder) for folder in step_folders(path, damaged=True)]
+    summaries = list_checkpoints(path)  # listed again if a concurrent save prunes one
     sound = [s for s in summaries if not s.error]
     newest = sound[-1] if sound else None
     retired = retired_checkpoints(path)
@@ -123,17 +126,34 @@ def _versions(s: Any) -> str:
     return f"torch {s.versions.get('torch', '?')}, unbroken {s.versions.get('unbroken', '?')}"
 
 
-def _detail(folder: Path, as_json: bool) -> None:
-    from ..format import manifest
+def _read_detail(path: Path, step: int | None) -> tuple[Path, dict[str, Any], Any]:
+    """The folder meant, its manifest and the optimizer's coverage. Located again if a
+    concurrent save prunes or re-saves it while it is read (not damage)."""
+    from ..errors import CheckpointError
+    from ..format import filesystem, manifest
     from ..format.tensor_reader import TensorReader
     from ..tools.coverage import optimizer_coverage
+    from ..tools.inspection import locate
+
+    for _ in range(MAX_RELISTS):
+        folder = locate(path, step)
+        seen = filesystem.identity(folder)
+        try:
+            doc = manifest.read(folder)
+            with TensorReader(folder, doc) as reader:
+                return folder, doc, optimizer_coverage(doc, read=reader.read)
+        except CheckpointError:
+            if not filesystem.vanished(folder, seen):
+                raise
+    raise CheckpointError(f"{path} changed faster than it could be read")
+
+
+def _detail(found: tuple[Path, dict[str, Any], Any], as_json: bool) -> None:
     from ..tools.inspection import components_of, tensors_of
 
-    doc = manifest.read(folder)
+    folder, doc, coverage = found
     tensors = tensors_of(doc)
     components = components_of(doc, tensors)
-    with TensorReader(folder, doc) as reader:
-        coverage = optimizer_coverage(doc, read=reader.read)
     info: dict[str, Any] = {
         "path": str(folder),
         "step": doc["step"],

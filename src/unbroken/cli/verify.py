@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
+from ..errors import CheckpointError
 from ._common import (
     EXIT_FAILED,
     Command,
@@ -37,6 +38,7 @@ Never writes. Exit 0 when every check holds, 1 when any fails (each failure name
 its file or tensor), 2 if DIR is not a checkpoint or the step does not exist."""
 
 MAX_SHOWN = 20
+MAX_RELISTS = 100  # how often verification may start over because a save changed the folder
 
 
 def register(app: typer.Typer) -> None:
@@ -49,15 +51,10 @@ def verify_command(
     every: Annotated[bool, typer.Option("--all", help="Verify every committed step.")] = False,
     as_json: JsonOption = False,
 ) -> None:
-    from ..tools.audit import audit, total_bytes
-
     if every and step is not None:
         raise typer.BadParameter("--step and --all exclude each other")
     with guard():
-        folders = _folders(path, step, every)
-        total = sum(total_bytes(f) for f in folders)
-        with progress("verifying", total) as advance:
-            reports = [audit(f, on_bytes=advance) for f in folders]
+        reports = _verify(path, step, every)
     if as_json:
         emit_json({"ok": all(r.ok for r in reports), "checkpoints": reports})
     else:
@@ -66,6 +63,26 @@ def verify_command(
             _print(console, r)
     if not all(r.ok for r in reports):
         raise typer.Exit(EXIT_FAILED)
+
+
+def _verify(path: Path, step: int | None, every: bool) -> list[AuditReport]:
+    """Audit the folders. One that a concurrent save pruned or re-saved while it was read
+    is not damaged: the folders are listed again, and those not audited as they are now
+    are audited (a step that is gone is no longer asked for; one pruned that was asked
+    for by --step is a missing step)."""
+    from ..tools.audit import audit, total_bytes
+
+    done: dict[Path, AuditReport] = {}
+    for _ in range(MAX_RELISTS):
+        folders = _folders(path, step, every)
+        todo = [f for f in folders if f not in done]
+        with progress("verifying", sum(total_bytes(f) for f in todo)) as advance:
+            for f in todo:
+                done[f] = audit(f, on_bytes=advance)
+        if not any(done[f].vanished for f in folders):
+            return [done[f] for f in folders]
+        done = {f: r for f, r in done.items() if not r.vanished}
+    raise CheckpointError(f"the checkpoints in {path} changed faster than they could be verified")
 
 
 def _folders(path: Path, step: int | None, every: bool) -> list[Path]:

@@ -36,9 +36,21 @@ def check_folder(folder: Path) -> dict[str, Any]:
     """Read and validate a committed checkpoint's manifest and the files it lists.
 
     Raises:
-        CorruptCheckpointError: naming the file that is missing, resized, a link, or
-            not listed in the manifest.
+        CorruptCheckpointError: naming the file that is missing, resized, a link, not
+            listed in the manifest, or unreadable (permissions).
     """
+    try:
+        return _check_folder(folder)
+    except CorruptCheckpointError:
+        raise
+    except OSError as exc:  # no permission, gone meanwhile: the checkpoint is unusable
+        raise CorruptCheckpointError(
+            f"{exc.filename or folder} cannot be read ({exc.strerror or exc}); fix its "
+            "permissions, or use an older step"
+        ) from None
+
+
+def _check_folder(folder: Path) -> dict[str, Any]:
     for path in (folder, folder / MANIFEST):
         if path.is_symlink():
             raise CorruptCheckpointError(f"{path} is a symbolic link; checkpoints never are")

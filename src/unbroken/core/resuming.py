@@ -19,6 +19,7 @@ from ..live import probe
 from ..live.state import Component
 from ..report import RestoreReport
 from . import collective, restoring
+from .candidates import Candidates
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def resume(
     """
     names = [c.name for c in components]
     world = collective.world_size()
-    candidates = [] if ignore else candidate_steps(ckdir, step)
+    candidates = [] if ignore else Candidates(ckdir, step, candidate_steps)  # re-listed
     skipped = lost_manifests(ckdir)  # damaged folders, named in the report
     if not candidates:
         looked = collective.agree(lambda: (describe(ckdir), _looks_foreign(ckdir)), only_rank0=True)
@@ -95,12 +96,14 @@ def resume(
             doc = restoring.read_manifest(folder)
             report = restoring.restore(folder, doc, components, reset, skip, probe_fn, model)
         except CorruptCheckpointError as exc:
+            if candidates.relisted():  # pruned or re-saved meanwhile: no damage
+                continue
             # Damage is found before any live object is touched, so an older checkpoint
             # can be tried. An explicitly requested step never falls back.
             if step is not None:
                 raise
             skipped.append(f"skipped the damaged checkpoint of step {chosen}: {exc}")
-            if chosen == candidates[-1]:
+            if not candidates:
                 raise CorruptCheckpointError(
                     f"no committed checkpoint in {ckdir.root} is sound: " + "; ".join(skipped)
                 ) from exc

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from .._version import __version__
 from ..errors import CheckpointError
 from ..format import fingerprint, layout, manifest, tree
+from ..format.filesystem import free_space
 from ..format.shards import ShardWriter, quiet_single_process
 from ..format.storage import CheckpointDir
 from ..live.state import Component, ModelComponent, StatefulComponent, device_kind
@@ -204,7 +205,7 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
                     no_dist=not collective.active(),
                 )
         except CheckpointException as exc:
-            raise unwrap(exc, f"saving step {request.step} into {partial}") from None
+            raise unwrap(exc, f"saving step {request.step} into {partial}", partial) from None
         local = {
             "partials": partials.result(),
             "info": staged.info,
@@ -287,8 +288,9 @@ def _manifest_body(
     }
 
 
-def unwrap(exc: CheckpointException, doing: str) -> BaseException:
-    """Turn DCP's multi-rank exception into the first underlying error, rank named.
+def unwrap(exc: CheckpointException, doing: str, path: Path | None = None) -> BaseException:
+    """Turn DCP's multi-rank exception into the first underlying error, rank named
+    (and, for a full disk, the free space at ``path``).
 
     An interrupt (KeyboardInterrupt, SystemExit) comes back unchanged, so a loop that
     catches ``CheckpointError`` (a full disk, say) never swallows a Ctrl-C."""
@@ -300,9 +302,10 @@ def unwrap(exc: CheckpointException, doing: str) -> BaseException:
         if isinstance(inner, CheckpointError):
             return type(inner)(f"{where}{inner}")
         if isinstance(inner, OSError) and inner.errno == errno.ENOSPC:
+            free = f", {free_space(path)} free there" if path is not None else ""
             return CheckpointError(
-                f"{where}{doing} failed: the disk is full ({inner}). The partial save was "
-                "removed and earlier checkpoints are untouched; free space (or lower "
+                f"{where}{doing} failed: the disk is full ({inner}{free}). The partial save "
+                "was removed and earlier checkpoints are untouched; free space (or lower "
                 "keep_last) and save again"
             )
         return CheckpointError(f"{where}{doing} failed: {type(inner).__name__}: {inner}")

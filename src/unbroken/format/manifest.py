@@ -20,6 +20,7 @@ import xxhash
 
 from ..errors import CorruptCheckpointError
 from . import layout
+from .filesystem import SAVE_FIX, writing
 from .storage import folder_step, step_dir_name
 
 FORMAT = "unbroken-checkpoint"
@@ -52,11 +53,16 @@ def _digest(body: dict[str, Any]) -> str:
 
 
 def write(directory: Path, body: dict[str, Any]) -> None:
-    """Write ``manifest.json`` (with its own checksum) and fsync it."""
+    """Write ``manifest.json`` (with its own checksum) and fsync it.
+
+    Raises:
+        CheckpointError: the write failed (a full disk, say), naming the path and the
+            free space.
+    """
     doc = dict(body, format=FORMAT, format_version=FORMAT_VERSION)
     doc["manifest_checksum"] = _digest(doc)
     path = directory / "manifest.json"
-    with open(path, "w", encoding="utf-8") as f:
+    with writing(path, "writing", SAVE_FIX), open(path, "w", encoding="utf-8") as f:
         json.dump(_layout(doc), f, indent=1, allow_nan=False)
         f.flush()
         os.fsync(f.fileno())
@@ -112,6 +118,10 @@ def read(directory: Path) -> dict[str, Any]:
         ) from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path} is not valid JSON ({exc}); it is damaged") from None
+    except CorruptCheckpointError:
+        raise
+    except OSError as exc:  # no permission, an I/O error: as unusable as a missing one
+        raise CorruptCheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{path} is not an unbroken manifest")
     version = doc.get("format_version")

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from ..errors import CorruptCheckpointError
+from .filesystem import SAVE_FIX, writing
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,7 +110,7 @@ class ShardWriter(StorageWriter):
         path = os.path.join(self.directory, name)
         results: list[WriteResult] = []
         offset = 0
-        with open(path, "wb") as f:
+        with writing(path, "writing", SAVE_FIX), open(path, "wb") as f:
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     raise TypeError(
@@ -284,6 +285,11 @@ class ShardReader(StorageReader):
             except FileNotFoundError:
                 raise CorruptCheckpointError(
                     f"{path} is missing; this checkpoint cannot be restored, use an older step"
+                ) from None
+            except OSError as exc:  # no permission, an I/O error: as unusable as missing
+                raise CorruptCheckpointError(
+                    f"{path} cannot be read ({exc.strerror or exc}); this checkpoint cannot "
+                    "be restored: fix the file's permissions, or use an older step"
                 ) from None
             if got != expected:
                 raise CorruptCheckpointError(

@@ -6,37 +6,50 @@
     DIR/.partial-<step>-<id>/   a save in progress: never listed, never loaded
     DIR/.trash-<step>-<id>/     a checkpoint being deleted: never listed
     DIR/.retired-<step>-<id>/   a checkpoint of an abandoned branch: never listed, kept
+    DIR/.replaced-<step>-<id>/  the old copy of a re-saved step, until the new one commits
 
 A save writes everything into a partial directory, writes ``manifest.json`` last, then
 renames the directory into place: the rename is the commit. A crash at any instant
 leaves either the old set of committed steps or the new one. The first save after a
 resume from an older step first renames the abandoned newer steps aside (retires them),
 newest first, then commits: a crash in between leaves the old branch (or the step
-resumed from) the newest, as if the save had not started.
+resumed from) the newest, as if the save had not started. Re-saving a step swaps the
+new copy in atomically where the file system can (``RENAME_EXCHANGE``); elsewhere the
+old copy waits aside as ``.replaced-*`` and a crash before the new one is in place is
+undone by the next save or restore.
+
+Readers (restores in other processes, the command-line tools) never take the save lock:
+they clean leftovers only while no save holds it (:meth:`CheckpointDir.saving_now` asks
+without taking it), and a step that a save prunes, retires or replaces while it is read
+is re-listed, not reported as damage (``filesystem.identity``, ``filesystem.vanished``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import logging
 import os
 import re
 import shutil
 import socket
+import stat
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointError
+from . import filesystem
+from .filesystem import SAVE_FIX as _FIX
+from .filesystem import fsync_dir, writing
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
 RETIRED = ".retired-"
+REPLACED = ".replaced-"
+LEFTOVERS = (".partial-", ".trash-")
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _FOREIGN_MARKERS = (".metadata", ".distcp", ".pt", ".pth", ".ckpt", ".safetensors", ".bin")
 
@@ -51,12 +64,15 @@ def folder_step(path: str | os.PathLike) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def has_manifest(folder: Path) -> bool | None:
+    """True if ``folder`` holds manifest.json, False if not; None if that cannot be told
+    (no permission): listed then, so that reading it names the unreadable file."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        return stat.S_ISREG(os.stat(folder / MANIFEST).st_mode)
+    except PermissionError:
+        return None
+    except OSError:
+        return False
 
 
 class CheckpointDir:
@@ -88,7 +104,7 @@ class CheckpointDir:
         found = []
         for entry in self.root.iterdir():
             m = _STEP_RE.match(entry.name)
-            if m and (entry / MANIFEST).is_file():
+            if m and has_manifest(entry) is not False:
                 found.append(int(m.group(1)))
         return sorted(found)
 
@@ -104,7 +120,10 @@ class CheckpointDir:
         found = []
         for entry in self.root.iterdir():
             m = _STEP_RE.match(entry.name)
-            if m and entry.is_dir() and not (entry / MANIFEST).is_file():
+            # Asked twice around is_dir(): a step pruned or committed by a concurrent save
+            # between the questions is never mistaken for one that lost its manifest.
+            lost = m and has_manifest(entry) is False and entry.is_dir()
+            if lost and has_manifest(entry) is False:
                 found.append(int(m.group(1)))
         return sorted(found)
 
@@ -125,60 +144,104 @@ class CheckpointDir:
         """Hold the folder's save lock (one saver at a time); fail at once if taken.
 
         Two jobs saving into one folder (a misconfigured relaunch) would otherwise clean
-        up or overwrite each other's work; the loser gets a clear error instead.
+        up or overwrite each other's work; the loser gets a clear error instead. Readers
+        never take it (see :meth:`saving_now`).
         """
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        with writing(self.root / LOCK, "creating", _FIX):
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise
+            if not filesystem.try_lock(fd):
                 holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
                 raise CheckpointError(
                     f"another save into {self.root} is in progress ({holder}); two jobs "
                     "must not share a checkpoint folder: stop the other job or use another path"
-                ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+                )
+            with contextlib.suppress(OSError):  # who holds it: a courtesy for that message
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
             yield
         finally:
             os.close(fd)
 
+    def saving_now(self) -> bool:
+        """Whether a save holds the save lock right now, asked without taking it (so a
+        reader never makes a save fail). True when it cannot be told."""
+        try:
+            fd = os.open(self.root / LOCK, os.O_RDONLY)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        try:
+            return filesystem.is_locked(fd)
+        except OSError:
+            return True
+        finally:
+            os.close(fd)
+
     def new_partial(self, step: int) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
         path = self.root / f".partial-{step_dir_name(step)}-{uuid.uuid4().hex[:12]}"
-        path.mkdir()
+        with writing(path, "creating", _FIX):
+            self.root.mkdir(parents=True, exist_ok=True)
+            path.mkdir()
         return path
 
     def commit(self, partial: Path, step: int, *, retire: Sequence[int] = ()) -> Path:
         """Make ``partial`` the committed checkpoint of ``step`` (atomic rename).
 
         ``retire``: committed steps of an abandoned branch, renamed aside first (see
-        :meth:`retire`); if the commit then fails, they are put back.
+        :meth:`retire`); if the commit then fails, they are put back. Raises
+        ``CheckpointError`` (naming the path and the free space) having committed
+        nothing, or returns the committed folder.
         """
         retired = self.retire(retire)
         try:
-            return self._commit(partial, step)
+            with writing(partial, "committing", _FIX):
+                return self._commit(partial, step)
         except BaseException:
             self._unretire(retired)
             raise
 
     def _commit(self, partial: Path, step: int) -> Path:
         final = self.step_path(step)
-        trash = None
-        if final.exists():
-            # Re-saving a step (after resuming from an older one): the old copy stays
-            # committed until the new one is complete, then is swapped out.
-            trash = self.root / f".trash-{final.name}-{uuid.uuid4().hex[:12]}"
-            os.rename(final, trash)
-            logger.warning("replacing the existing checkpoint of step %d", step)
-        os.rename(partial, final)
-        _fsync_dir(self.root)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+        if not os.path.lexists(final):
+            os.rename(partial, final)
+            self._durable(lambda: os.rename(final, partial))
+            return final
+        # Re-saving a step: the old copy stays committed until the new one is.
+        logger.warning("replacing the existing checkpoint of step %d", step)
+        if filesystem.exchange(partial, final):  # one atomic step; partial holds the old
+            self._durable(lambda: filesystem.exchange(partial, final))
+            shutil.rmtree(partial, ignore_errors=True)
+            return final
+        # No exchange on this file system: the old copy waits aside until the new one is
+        # in place; a crash in between is undone by the next save or restore (_recover).
+        aside = self.root / f"{REPLACED}{final.name}-{uuid.uuid4().hex[:12]}"
+        os.rename(final, aside)
+        try:
+            os.rename(partial, final)
+        except BaseException:
+            os.rename(aside, final)
+            raise
+
+        def undo() -> None:
+            os.rename(final, partial)
+            os.rename(aside, final)
+
+        self._durable(undo)
+        shutil.rmtree(aside, ignore_errors=True)
         return final
+
+    def _durable(self, undo) -> None:
+        """Fsync the folder after a commit's renames. If that fails the commit is not
+        known to be durable: undo the renames, so that a failed save commits nothing."""
+        try:
+            fsync_dir(self.root)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                undo()
+            raise
 
     def retire(self, steps: Sequence[int]) -> list[tuple[Path, Path]]:
         """Unlist committed ``steps`` by renaming them to ``.retired-step_*-<id>``.
@@ -186,18 +249,24 @@ class CheckpointDir:
         They are kept (never listed, loaded or cleaned up) so nothing is lost silently;
         returns (old, new) paths. Steps no longer committed are passed over.
         """
-        moved = []
-        # Newest first: a crash midway leaves a prefix of the old branch listed, which
-        # restores like a crash before this save.
-        for s in sorted(steps, reverse=True):
-            path = self.step_path(s)
-            if not (path / MANIFEST).is_file():
-                continue
-            aside = self.root / f"{RETIRED}{path.name}-{uuid.uuid4().hex[:12]}"
-            os.rename(path, aside)
-            moved.append((path, aside))
+        moved: list[tuple[Path, Path]] = []
+        try:
+            with writing(self.root, "retiring abandoned steps in", _FIX):
+                # Newest first: a crash midway leaves a prefix of the old branch listed,
+                # which restores like a crash before this save.
+                for s in sorted(steps, reverse=True):
+                    path = self.step_path(s)
+                    if not (path / MANIFEST).is_file():
+                        continue
+                    aside = self.root / f"{RETIRED}{path.name}-{uuid.uuid4().hex[:12]}"
+                    os.rename(path, aside)
+                    moved.append((path, aside))
+                if moved:
+                    fsync_dir(self.root)  # unlisted before the new branch's commit is visible
+        except BaseException:
+            self._unretire(moved)
+            raise
         if moved:
-            _fsync_dir(self.root)  # unlisted before the new branch's commit is visible
             logger.warning(
                 "retired %s of an abandoned branch: kept as %s",
                 ", ".join(path.name for path, _ in moved),
@@ -221,19 +290,30 @@ class CheckpointDir:
                 found.append((int(m.group(1)), entry))
         return sorted(found)
 
-    def remove(self, step: int) -> None:
+    def remove(self, step: int) -> bool:
         """Delete a committed checkpoint: un-list it atomically first, then delete its
         files in a background thread (unlinking GBs takes a while; training need not
-        wait). :meth:`finish_removals` waits for them."""
+        wait). :meth:`finish_removals` waits for them.
+
+        Retention calls it after a save committed, which must not raise then: a failure
+        (a full disk can refuse even a rename) is logged, the step kept, and False returned.
+        """
         path = self.step_path(step)
         trash = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:12]}"
-        os.rename(path, trash)
-        _fsync_dir(self.root)
+        try:
+            with writing(path, "removing", "it is kept; retention tries again next save"):
+                os.rename(path, trash)
+        except CheckpointError as exc:
+            logger.warning("%s", exc)
+            return False
+        with contextlib.suppress(OSError):  # if it comes back after a power loss: harmless
+            fsync_dir(self.root)
         worker = threading.Thread(
             target=shutil.rmtree, args=(trash, True), name="unbroken-delete", daemon=False
         )
         worker.start()
         self._removals = [t for t in self._removals if t.is_alive()] + [worker]
+        return True
 
     def finish_removals(self) -> None:
         for worker in self._removals:
@@ -244,27 +324,60 @@ class CheckpointDir:
         shutil.rmtree(partial, ignore_errors=True)
 
     def clean_leftovers(self) -> list[str]:
-        """Remove partial saves and half-deleted checkpoints left by a crash.
+        """Remove partial saves and half-deleted checkpoints left by a crash, and put back
+        the old copy of a re-saved step if a crash came before the new one was in place.
 
         Call it holding :meth:`save_lock`, so no save in progress loses its folder.
         """
+        return self._clean(self._leftovers())
+
+    def clean_leftovers_if_idle(self) -> list[str]:
+        """:meth:`clean_leftovers` unless a save is in progress; never takes the save lock.
+
+        The leftovers are listed *before* asking whether a save holds the lock: a folder
+        listed then, while no save held it, belongs to no save that is still running
+        (a save creates its folders holding the lock, and commits or removes them before
+        it lets go), so a save that starts meanwhile loses nothing.
+        """
+        entries = self._leftovers()
+        if not entries or self.saving_now():
+            return []
+        return self._clean(entries)
+
+    def _leftovers(self) -> list[Path]:
         if not self.root.is_dir():
             return []
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return []
+        return [self.root / n for n in sorted(names) if n.startswith((*LEFTOVERS, REPLACED))]
+
+    def _clean(self, entries: Iterable[Path]) -> list[str]:
         removed = []
-        for entry in self.root.iterdir():
-            if entry.name.startswith((".partial-", ".trash-")) and entry.is_dir():
+        for entry in entries:
+            if entry.name.startswith(REPLACED):
+                self._recover(entry)
+            elif entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
                 removed.append(entry.name)
         if removed:
             logger.info("removed %d leftover partial save(s) in %s", len(removed), self.root)
         return removed
 
-    def clean_leftovers_if_idle(self) -> list[str]:
-        """:meth:`clean_leftovers` unless another process is saving right now."""
-        if not self.root.is_dir():
-            return []
-        try:
-            with self.save_lock():
-                return self.clean_leftovers()
-        except CheckpointError:
-            return []
+    def _recover(self, aside: Path) -> None:
+        """``aside`` is the old copy of a re-saved step (.replaced-step_*-<id>): put it
+        back if the step is missing (the save died between its two renames), delete it
+        once the step is committed again; leave it if the step is there but damaged."""
+        final = self.root / aside.name.removeprefix(REPLACED).rsplit("-", 1)[0]
+        if _STEP_RE.match(final.name) is None:
+            return
+        if not os.path.lexists(final):
+            try:
+                os.rename(aside, final)  # fails harmlessly if another process was first
+                fsync_dir(self.root)
+            except OSError:
+                return
+            logger.warning("put back %s: a re-save of it did not complete", final)
+        elif has_manifest(final):
+            shutil.rmtree(aside, ignore_errors=True)

@@ -104,10 +104,9 @@ class TensorReader:
         if length:
             buf = memoryview(target.reshape(-1).view(torch.uint8).numpy())
             f = self._open(path, chunk["file"])
-            f.seek(chunk["offset"])
             got = 0
             while got < length:
-                n = f.readinto(buf[got:])
+                n = _read_into(f, chunk["offset"] + got, buf[got:], path)
                 if not n:
                     raise CorruptCheckpointError(
                         f"{path} is truncated: {key!r} needs bytes {chunk['offset']}.."
@@ -133,8 +132,20 @@ class TensorReader:
                 f = open(path, "rb")  # noqa: SIM115 - kept open across reads, closed in close()
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{path} is missing") from None
+            except OSError as exc:  # no permission: as unusable as missing
+                raise CorruptCheckpointError(
+                    f"{path} cannot be read ({exc.strerror or exc})"
+                ) from None
             self._files[name] = f
         return f
+
+
+def _read_into(f: IO[bytes], offset: int, buf: memoryview, path: Path) -> int:
+    try:
+        f.seek(offset)
+        return f.readinto(buf) or 0
+    except OSError as exc:  # an I/O error: the file is as unusable as a missing one
+        raise CorruptCheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
 
 
 def tensor_nbytes(entry: dict[str, Any]) -> int:

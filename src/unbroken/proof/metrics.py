@@ -25,6 +25,9 @@ from typing import Any
 
 import torch
 
+from ..errors import CheckpointError
+from ..format.filesystem import free_space, writing
+
 FILE = "metrics.jsonl"
 logger = logging.getLogger(__name__)
 
@@ -131,28 +134,46 @@ class MetricLog:
                 self._write(line)
             except OSError as exc:
                 if not self._torn:
-                    logger.warning("cannot append to %s (%s); retried with the next line",
-                                   self._root / FILE, exc)  # fmt: skip
+                    logger.warning("cannot append to %s (%s; %s free there); retried with the "
+                                   "next line", self._root / FILE, exc,
+                                   free_space(self._root))  # fmt: skip
                 self._drop_file()
 
-    def flush(self) -> None:
-        """Write what a failed append left behind and fsync the file (rank 0 only)."""
+    def flush(self, *, strict: bool = True) -> None:
+        """Write what a failed append left behind and fsync the file (rank 0 only).
+
+        Args:
+            strict: raise if that fails. ``save()`` passes False: its checkpoint is
+                committed by then, and a save that raised must have committed nothing,
+                so a failure is a logged warning instead; the lines stay queued and are
+                written by the next append or flush.
+        Raises:
+            CheckpointError: (strict) naming the file and the free space.
+        """
         if self._root is None:
             return
-        with self._lock:
-            if not self._header_queued:
-                return  # nothing tracked: no file
-            try:
-                if self._unwritten or self._file is None:
-                    self._write(None)
-                fd = os.dup(self._file.fileno())
-            except OSError:
-                self._drop_file()
-                raise
+        path = self._root / FILE
         try:
-            os.fsync(fd)  # outside the lock: track() need not wait for the disk
-        finally:
-            os.close(fd)
+            with writing(path, "writing", "free space: the tracked steps not on disk yet stay "
+                         "queued and are written by the next append or flush"):  # fmt: skip
+                with self._lock:
+                    if not self._header_queued:
+                        return  # nothing tracked: no file
+                    try:
+                        if self._unwritten or self._file is None:
+                            self._write(None)
+                        fd = os.dup(self._file.fileno())
+                    except OSError:
+                        self._drop_file()
+                        raise
+                try:
+                    os.fsync(fd)  # outside the lock: track() need not wait for the disk
+                finally:
+                    os.close(fd)
+        except CheckpointError as exc:
+            if strict:
+                raise
+            logger.warning("%s (the checkpoint itself is committed)", exc)
 
     def close(self) -> None:
         with self._lock:

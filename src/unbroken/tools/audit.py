@@ -7,12 +7,16 @@ components reference listed (and every listed tensor referenced), every chunk's
 checksum (all bytes are read), every tensor's fingerprint recomputed from its assembled
 value, and the optimizer state covering the model. All failures are collected, each
 naming its file or tensor, rather than stopping at the first.
+
+A folder that a concurrent save prunes, retires or re-saves while it is audited is not
+damaged: its report says ``vanished`` instead, and the caller lists the steps again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +24,7 @@ from typing import Any
 import xxhash
 
 from ..errors import CheckpointError
-from ..format import fingerprint, manifest, tree
+from ..format import filesystem, fingerprint, manifest, tree
 from ..format.storage import MANIFEST, folder_step
 from ..format.tensor_reader import TensorReader
 from .coverage import optimizer_coverage
@@ -46,6 +50,9 @@ class AuditReport:
     files_checked: int = 0
     tensors_checked: int = 0
     bytes_read: int = 0
+    # A concurrent save removed or replaced the folder while it was read: the failures
+    # say nothing about damage; list the steps again.
+    vanished: bool = False
 
     @property
     def ok(self) -> bool:
@@ -73,11 +80,18 @@ def audit(folder: str | Path, *, on_bytes: Callable[[int], None] | None = None) 
     """
     folder = Path(folder)
     report = AuditReport(path=str(folder), step=folder_step(folder))
+    seen = filesystem.identity(folder)
+    _audit(folder, report, on_bytes)
+    report.vanished = bool(report.failures) and filesystem.vanished(folder, seen)
+    return report
+
+
+def _audit(folder: Path, report: AuditReport, on_bytes: Callable[[int], None] | None) -> None:
     try:
         doc = manifest.read(folder)
     except CheckpointError as exc:
         report.fail(MANIFEST, str(exc))
-        return report
+        return
     report.step = doc["step"]
     absent = _check_files(folder, doc, report)
     _check_chunk_records(doc, report)
@@ -100,7 +114,7 @@ def audit(folder: str | Path, *, on_bytes: Callable[[int], None] | None = None) 
         reader = TensorReader(folder, doc, on_bytes=count)
     except CheckpointError as exc:
         report.fail(MANIFEST, str(exc))
-        return report
+        return
     scalars = {}  # kept for the coverage report (the optimizer's ``step`` values)
     with reader:
         for key, entry in sorted(doc["tensors"].items()):
@@ -124,7 +138,6 @@ def audit(folder: str | Path, *, on_bytes: Callable[[int], None] | None = None) 
                     f"the manifest's {entry.get('fingerprint')}: the checkpoint is inconsistent",
                 )
         _check_coverage(doc, report, scalars.__getitem__)
-    return report
 
 
 def _check_files(folder: Path, doc: dict[str, Any], report: AuditReport) -> set[str]:
@@ -132,16 +145,29 @@ def _check_files(folder: Path, doc: dict[str, Any], report: AuditReport) -> set[
     for name, rec in sorted(doc["files"].items()):
         path = folder / name
         report.files_checked += 1
-        if not path.is_file():
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            st = None
+            if not isinstance(exc, FileNotFoundError | NotADirectoryError):
+                report.fail(name, f"{path} cannot be read ({exc.strerror or exc})")
+                absent.add(name)
+                continue
+        if st is None or not stat.S_ISREG(st.st_mode):
             report.fail(name, f"{path} is missing")
             absent.add(name)
-        elif path.stat().st_size != rec["size"]:
+        elif st.st_size != rec["size"]:
             report.fail(
                 name,
-                f"{path} is {path.stat().st_size} bytes, the manifest says {rec['size']}: "
+                f"{path} is {st.st_size} bytes, the manifest says {rec['size']}: "
                 "it was truncated or altered",
             )
-    for name in sorted(set(os.listdir(folder)) - set(doc["files"]) - {MANIFEST}):
+    try:
+        present = set(os.listdir(folder))
+    except OSError as exc:
+        report.fail(folder.name, f"{folder} cannot be listed ({exc.strerror or exc})")
+        present = set()
+    for name in sorted(present - set(doc["files"]) - {MANIFEST}):
         report.fail(name, f"{folder / name} is not listed in the manifest")
     return absent
 

@@ -8,17 +8,20 @@ Nothing here writes to a checkpoint folder or unpickles anything.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..format import manifest, tree
-from ..format.storage import MANIFEST, RETIRED, CheckpointDir, folder_step
+from ..format import filesystem, manifest, tree
+from ..format.storage import MANIFEST, RETIRED, CheckpointDir, folder_step, has_manifest
 from ..format.tensor_reader import tensor_nbytes
+
+MAX_RELISTS = 100  # how often a listing may be redone because a save changed the folder
 
 
 def is_step_folder(path: Path) -> bool:
-    return path.is_dir() and (path / MANIFEST).is_file()
+    return path.is_dir() and has_manifest(path) is not False  # unreadable: read, and named
 
 
 def locate(path: str | Path, step: int | None = None) -> Path:
@@ -111,17 +114,16 @@ class CheckpointSummary:
 
 def summarize(folder: Path) -> CheckpointSummary:
     """Summary of one step folder; an unreadable manifest is reported, not raised."""
-    size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    step, committed = folder_step(folder), has_manifest(folder) is not False
+    try:
+        size = sum(e.stat().st_size for e in os.scandir(folder) if e.is_file())
+    except OSError as exc:  # no permission, or gone meanwhile
+        error = f"{folder} cannot be read ({exc.strerror or exc})"
+        return CheckpointSummary(step, str(folder), 0, error=error, committed=committed)
     try:
         doc = manifest.read(folder)
     except CheckpointError as exc:
-        return CheckpointSummary(
-            folder_step(folder),
-            str(folder),
-            size,
-            error=str(exc),
-            committed=(folder / MANIFEST).is_file(),
-        )
+        return CheckpointSummary(step, str(folder), size, error=str(exc), committed=committed)
     return CheckpointSummary(
         step=doc["step"],
         path=str(folder),
@@ -131,6 +133,23 @@ def summarize(folder: Path) -> CheckpointSummary:
         versions=dict(doc.get("versions", {})),
         lineage=list(doc["lineage"]),
     )
+
+
+def list_checkpoints(path: str | Path) -> list[CheckpointSummary]:
+    """:func:`summarize` of every step folder under ``path`` (those without a manifest
+    too). A folder that a concurrent save prunes or re-saves while it is read is no
+    damage: the folders are listed again and summarized as they are now."""
+    for _ in range(MAX_RELISTS):
+        summaries = []
+        for folder in step_folders(path, damaged=True):
+            seen = filesystem.identity(folder)
+            summary = summarize(folder)
+            if summary.error and filesystem.vanished(folder, seen):
+                break
+            summaries.append(summary)
+        else:
+            return summaries
+    raise CheckpointError(f"the checkpoints in {path} changed faster than they could be read")
 
 
 def retired_checkpoints(path: str | Path) -> list[CheckpointSummary]:

@@ -1,0 +1,185 @@
+"""File-system primitives under the checkpoint folder: atomic exchange, the save lock
+and its non-blocking test, a folder's identity (did it vanish while being read?),
+directory fsync, and write errors that say where and how much space is left.
+
+Local file systems only. Linux gives everything: ``renameat2(RENAME_EXCHANGE)`` swaps a
+re-saved step in one step, and open-file-description locks (``F_OFD_SETLK``) can be
+*tested* (``F_OFD_GETLK``) without being taken, so a reader learns that a save is under
+way without ever holding the lock a saver needs. Elsewhere (or on a file system without
+the exchange) callers fall back, as each function says.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import shutil
+import struct
+import sys
+from pathlib import Path
+
+from ..errors import CheckpointError
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+# struct flock on Linux (x86-64, arm64): l_type, l_whence, l_start, l_len, l_pid, padding.
+_FLOCK = struct.Struct("hhqqi4x")
+_OFD = hasattr(fcntl, "F_OFD_SETLK") and hasattr(fcntl, "F_OFD_GETLK")
+SAVE_FIX = (
+    "nothing was committed and earlier checkpoints are untouched; free space (or lower "
+    "keep_last) and save again"
+)
+
+
+def _load_renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc >= 2.28
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_RENAMEAT2 = _load_renameat2()
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap the two existing paths ``a`` and ``b`` in one atomic step.
+
+    Returns False, having changed nothing, where the platform or the file system cannot
+    (the caller falls back to two renames). Raises ``OSError`` for any other failure.
+    """
+    if _RENAMEAT2 is None:
+        return False
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def try_lock(fd: int) -> bool:
+    """Take an exclusive lock on the open file ``fd`` without waiting; False if taken.
+
+    Released when the file is closed (by every process sharing that open file)."""
+    try:
+        if _OFD:
+            fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+        else:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def is_locked(fd: int) -> bool:
+    """Whether another open file holds the lock :func:`try_lock` takes on ``fd``'s file.
+
+    On Linux this only asks (``F_OFD_GETLK``): it never holds the lock, so it never makes
+    a saver's :func:`try_lock` fail. Elsewhere it takes and drops a shared lock at once.
+    """
+    if _OFD:
+        query = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0)
+        return _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK, query))[0] != fcntl.F_UNLCK
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return True
+        raise
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
+
+
+Identity = tuple[int, int, int]
+
+
+def identity(folder: Path) -> Identity | None:
+    """What :func:`vanished` compares: the folder's device, inode and change time (None
+    if it is not there). Take it before reading a checkpoint."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+def vanished(folder: Path, seen: Identity | None) -> bool:
+    """Whether ``folder`` is no longer the folder whose :func:`identity` was ``seen``:
+    removed or retired (retention, a branch) or replaced (a re-save) by a concurrent
+    save, or changed in any way, while it was being read.
+
+    Reading errors of a folder that vanished are not damage: list the steps again and
+    read what is there now. A folder that is still the same reports its damage as usual.
+    """
+    return seen is None or identity(folder) != seen
+
+
+def fsync_dir(path: Path) -> None:
+    """Make renames and new entries in the folder ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def free_space(path: str | os.PathLike) -> str:
+    """Free space on the file system holding ``path`` (or its nearest existing parent),
+    readable (``"1.5 MiB"``); ``"unknown"`` if it cannot be told."""
+    here = Path(path)
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    try:
+        free = float(shutil.disk_usage(here).free)
+    except OSError:
+        return "unknown"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if free < 1024 or unit == "TiB":
+            return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
+        free /= 1024
+    return "unknown"
+
+
+class WriteError(CheckpointError, OSError):
+    """A write into the checkpoint folder failed (a full disk, a quota, an I/O error).
+
+    A ``CheckpointError`` whose message names the path and the free space there; also an
+    ``OSError`` carrying the original ``errno`` and ``filename``.
+    """
+
+    def __str__(self) -> str:  # OSError would print "[Errno N] strerror: filename"
+        return str(self.args[0]) if self.args else ""
+
+
+def write_error(path: str | os.PathLike, exc: OSError, doing: str, fix: str) -> WriteError:
+    """The error of a failed write to ``path``: what was being done, why (a full disk or
+    quota said so), the free space left there, and ``fix`` (what to do)."""
+    why = {
+        errno.ENOSPC: "the disk is full",
+        errno.EDQUOT: "the disk quota is exceeded (treat it as a full disk)",
+    }.get(exc.errno or 0, f"{type(exc).__name__}: {exc.strerror or exc}")
+    error = WriteError(f"{doing} {path} failed: {why} ({free_space(path)} free there); {fix}")
+    error.errno, error.strerror, error.filename = exc.errno, exc.strerror, os.fspath(path)
+    return error
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike, doing: str, fix: str):
+    """Turn an ``OSError`` raised inside into :func:`write_error` (a ``CheckpointError``
+    passes through unchanged)."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except OSError as exc:
+        raise write_error(exc.filename or path, exc, doing, fix) from exc
