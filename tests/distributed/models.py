@@ -52,15 +52,17 @@ def build_fsdp1(
     policy: str = "block",
     checkpointing: bool = False,
     bf16: bool = False,
+    sharding: str = "FULL_SHARD",
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """FSDP1 on the default process group (CPU, gloo). ``policy``: ``"block"`` wraps each
     Block, ``"size"`` wraps by size (each ``fc`` alone), ``"none"`` only the root;
     ``checkpointing`` adds activation checkpointing to each Block after wrapping; ``bf16``
-    computes in bf16 over fp32 master parameters (``MixedPrecision``)."""
+    computes in bf16 over fp32 master parameters (``MixedPrecision``); ``sharding`` names
+    the ShardingStrategy."""
     import functools
 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
 
     torch.manual_seed(seed)
@@ -75,6 +77,7 @@ def build_fsdp1(
         device_id=torch.device("cpu"),
         use_orig_params=use_orig_params,
         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None,
+        sharding_strategy=ShardingStrategy[sharding],
     )
     if checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (

@@ -41,6 +41,7 @@ ON_TWO = {
     "bf16": ("bf16", {"policy": "size", "bf16": True}),
     "to_fsdp2": ("flat", None),
     "from_fsdp2": ("fsdp2", {"use_orig_params": False, "policy": "block"}),
+    "no_shard": ("orig", {"use_orig_params": True, "policy": "block", "sharding": "NO_SHARD"}),
 }
 # Restores on 3 ranks: checkpoint -> FSDP1 build options.
 ON_THREE = {
@@ -75,6 +76,12 @@ def _save_all(rank: int, world: int, root: str) -> dict | None:
         models.train_steps(model, opt, 1, rank=rank, start=3)
         out[name] = {"want": want, "ref": _full(model, opt)}
     out["compat"] = {orig: _compat_probe(orig) for orig in (False, True)}
+    model, opt = models.build_fsdp1(sharding="NO_SHARD")  # with flat parameters
+    try:
+        ub.Checkpointer(f"{root}/refused", model=model, optimizer=opt)
+        out["refused"] = None
+    except ValueError as exc:
+        out["refused"] = str(exc)
     return out if rank == 0 else None
 
 
@@ -155,8 +162,9 @@ def on_three(saved) -> dict:
 @pytest.mark.parametrize("case", sorted(ON_TWO))
 def test_two_ranks_restore_then_step_matches_uninterrupted(saved, on_two, case):
     """F2/F3: same world size, other wrapping (auto-wrap policy, activation checkpointing,
-    FSDP1 <-> FSDP2, use_orig_params): the restored state is the saved one, and one more
-    step equals the uninterrupted run's, parameters and optimizer state, bit for bit."""
+    FSDP1 <-> FSDP2, use_orig_params, NO_SHARD): the restored state is the saved one, and
+    one more step equals the uninterrupted run's, parameters and optimizer state, bit for
+    bit."""
     _, states = saved
     source = ON_TWO[case][0]
     result = on_two[case]
@@ -210,6 +218,15 @@ def test_two_ranks_to_one_plain_process(saved, source):
             assert torch.equal(opt.state[model.get_parameter(n)][k], v), (n, k)
 
 
+def test_no_shard_with_flat_parameters_is_refused_at_construction(saved):
+    """FSDP1 NO_SHARD with flat parameters (what use_orig_params=False gets on a world size
+    of 1) is refused when the Checkpointer is built, naming what is supported, rather than
+    at the first save."""
+    message = saved[1]["refused"]
+    assert message is not None
+    assert "NO_SHARD" in message and "use_orig_params=True" in message
+
+
 def test_bf16_mixed_precision_keeps_fp32_master_state(saved, on_two):
     """F5: FSDP1 MixedPrecision(param_dtype=bf16) over fp32 master parameters saves every
     model and optimizer tensor as fp32 (never the bf16 compute copy), and restores it so."""
@@ -247,6 +264,7 @@ def _compat_probe(use_orig_params: bool) -> dict:
             name: sorted(torch_compat.normalized_fqns(model, name))
             for name, _ in model.named_parameters()
         },
+        "orig_params": [torch_compat.fsdp1_uses_orig_params(m) for m in FSDP.fsdp_modules(model)],
         "originals": {
             fqn: (tuple(o.shape), type(o.owner).__name__, o.index, isinstance(o.fsdp, FSDP))
             for fqn, o in torch_compat.fsdp1_originals(model).items()
@@ -319,3 +337,10 @@ def test_compat_fsdp1_dtensor_state(saved, use_orig_params):
     assert found["model_inside"] == {"DTensor(Shard(dim=0),)"}
     assert found["optimizer_inside"] == {"DTensor(Shard(dim=0),)"}
     assert not any(found["meshes_after"])
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_compat_fsdp1_uses_orig_params(saved, use_orig_params):
+    """FSDP's _use_orig_params tells each module's use_orig_params."""
+    found = saved[1]["compat"][use_orig_params]["orig_params"]
+    assert found and set(found) == {use_orig_params}

@@ -37,28 +37,45 @@ from ..errors import CheckpointError, StateMismatchError
 from ..format.manifest import DTYPES
 from . import torch_compat
 
-_SUPPORTED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+_SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
 # FSDP1 warns on every state-dict call about its own use of deprecated torch internals.
 _NOISE = ("FSDP.state_dict_type", "`_get_pg_default_device`", "Multiple backends are registered")
 
 
 def is_fsdp1(model: nn.Module, what: str = "model") -> bool:
-    """Whether ``model`` holds FSDP1 modules.
+    """Whether ``model``'s state goes through FSDP1's sharded state (this module).
+
+    False without FSDP1 modules, and for ``NO_SHARD`` modules with ``use_orig_params=True``
+    (what FSDP1 picks by itself on a world size of 1): they hold whole parameters, so
+    their state is a plain model's.
 
     Raises:
-        ValueError: a sharding strategy this library does not restore (``NO_SHARD``, which
-            FSDP1 also picks by itself on a world size of 1, and the hybrid strategies).
+        ValueError: naming what is not supported: the hybrid strategies, ``NO_SHARD``
+            with flat parameters, ``NO_SHARD`` mixed with sharded modules.
     """
     found = FSDP.fsdp_modules(model)
-    for module in found:
-        if module.sharding_strategy not in _SUPPORTED:
-            raise ValueError(
-                f"{what}: FSDP1 with sharding_strategy={module.sharding_strategy.name} is not "
-                "supported (FSDP1 also switches to NO_SHARD by itself on a world size of 1); "
-                "use FULL_SHARD or SHARD_GRAD_OP on 2 or more ranks, FSDP2 fully_shard, or "
-                "the unwrapped model"
-            )
-    return bool(found)
+    strategies = {module.sharding_strategy for module in found}
+    if not found:
+        return False
+    if strategies <= set(_SHARDED):
+        return True
+    if strategies == {ShardingStrategy.NO_SHARD} and all(
+        torch_compat.fsdp1_uses_orig_params(module) for module in found
+    ):
+        return False
+    kinds = sorted(
+        {
+            f"sharding_strategy={m.sharding_strategy.name}, "
+            f"use_orig_params={torch_compat.fsdp1_uses_orig_params(m)}"
+            for m in found
+        }
+    )
+    raise ValueError(
+        f"{what}: FSDP1 with {' and '.join(kinds)} is not supported. Supported: FULL_SHARD "
+        "or SHARD_GRAD_OP, and NO_SHARD with use_orig_params=True (FSDP1 switches to "
+        "NO_SHARD by itself on a world size of 1); else use FSDP2 fully_shard or the "
+        "unwrapped model"
+    )
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ restoring a wrong checkpoint.
 - :func:`fsdp1_originals`: the original parameters an FSDP1 module manages
   (``FlatParameter._fqns``, ``_shapes``, ``_param_infos``, through FSDP's own
   ``_get_fqn_to_fsdp_param_info``, so the FQNs are the ones FSDP keys optimizer state by).
+- :func:`fsdp1_uses_orig_params`: an FSDP1 module's ``use_orig_params`` (``_use_orig_params``).
 - :func:`fsdp1_dtensor_state`: FSDP1 gives its sharded state as DTensors, not
   ShardedTensors, when its modules carry a device mesh (``_device_mesh``).
 """
@@ -56,6 +57,11 @@ def fsdp1_originals(model: nn.Module) -> dict[str, Original]:
         i = info.param_indices[fqn]
         out[fqn] = Original(torch.Size(flat._shapes[i]), flat._param_infos[i].module, i, info.state)
     return out
+
+
+def fsdp1_uses_orig_params(module: FSDP) -> bool:
+    """The ``use_orig_params`` an FSDP1 module was built with."""
+    return bool(module._use_orig_params)
 
 
 def fsdp1_mesh(module: FSDP) -> DeviceMesh:
