@@ -160,7 +160,7 @@ class FSDP1Optimizer:
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in raw["param_groups"]]
         extras = {k: v for k, v in raw.items() if k not in ("state", "param_groups")}
         with sharded_state(self.model):
-            converted = FSDP.optim_state_dict(self.model, self.optimizer, raw)
+            converted = FSDP.optim_state_dict(self.model, self.optimizer, raw, group=self._group())
         order = {fqn: i for i, fqn in enumerate(f for names in groups for f in names)}
         unknown = sorted(
             self.prefix + k for k in converted["state"] if self.prefix + k not in order
@@ -201,7 +201,10 @@ class FSDP1Optimizer:
         state = {fqn[strip:]: dict(v) for fqn, v in saved["state"].items()}
         with sharded_state(self.model):
             flat = FSDP.optim_state_dict_to_load(
-                self.model, self.optimizer, {"state": state, "param_groups": groups}
+                self.model,
+                self.optimizer,
+                {"state": state, "param_groups": groups},
+                group=self._group(),
             )
         flat.update((k, v) for k, v in saved.items() if k not in ("state", "param_groups"))
         self.optimizer.load_state_dict(flat)
@@ -215,3 +218,7 @@ class FSDP1Optimizer:
             for k, v in value.items():
                 if live.get(k) is not v:
                     live[k] = v
+
+    def _group(self) -> Any:
+        """The process group the model is sharded over (FSDP's collectives on state keys)."""
+        return FSDP.fsdp_modules(self.model)[0].process_group
