@@ -11,8 +11,11 @@ restoring a wrong checkpoint.
   (``FlatParameter._fqns``, ``_shapes``, ``_param_infos``, through FSDP's own
   ``_get_fqn_to_fsdp_param_info``, so the FQNs are the ones FSDP keys optimizer state by).
 - :func:`fsdp1_uses_orig_params`: an FSDP1 module's ``use_orig_params`` (``_use_orig_params``).
-- :func:`fsdp1_dtensor_state`: FSDP1 gives its sharded state as DTensors, not
-  ShardedTensors, when its modules carry a device mesh (``_device_mesh``).
+- :func:`fsdp1_dtensor_state` (and :func:`fsdp1_mesh`): FSDP1 gives its sharded state
+  as DTensors, not ShardedTensors, when its modules carry a device mesh (``_device_mesh``;
+  one is built from the module's ``process_group`` and ``compute_device``).
+
+Nothing else in the package touches private torch API.
 """
 
 from __future__ import annotations
