@@ -14,8 +14,6 @@ restoring a wrong checkpoint.
 - :func:`fsdp1_dtensor_state` (and :func:`fsdp1_mesh`): FSDP1 gives its sharded state
   as DTensors, not ShardedTensors, when its modules carry a device mesh (``_device_mesh``;
   one is built from the module's ``process_group`` and ``compute_device``).
-
-Nothing else in the package touches private torch API.
 """
 
 from __future__ import annotations
