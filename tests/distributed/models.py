@@ -45,6 +45,50 @@ def build(seed: int = 0, *, fsdp_mesh=None) -> tuple[nn.Module, torch.optim.Opti
     return model, opt
 
 
+def build_fsdp1(
+    seed: int = 0,
+    *,
+    use_orig_params: bool = False,
+    policy: str = "block",
+    checkpointing: bool = False,
+    bf16: bool = False,
+    sharding: str = "FULL_SHARD",
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """FSDP1 on the default process group (CPU, gloo). ``policy``: ``"block"`` wraps each
+    Block, ``"size"`` wraps by size (each ``fc`` alone), ``"none"`` only the root;
+    ``checkpointing`` adds activation checkpointing to each Block after wrapping; ``bf16``
+    computes in bf16 over fp32 master parameters (``MixedPrecision``); ``sharding`` names
+    the ShardingStrategy."""
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+
+    torch.manual_seed(seed)
+    wrap = {
+        "block": ModuleWrapPolicy({Block}),
+        "size": functools.partial(size_based_auto_wrap_policy, min_num_params=100),
+        "none": None,
+    }[policy]
+    model = FSDP(
+        Net(),
+        auto_wrap_policy=wrap,
+        device_id=torch.device("cpu"),
+        use_orig_params=use_orig_params,
+        mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None,
+        sharding_strategy=ShardingStrategy[sharding],
+    )
+    if checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing,
+        )
+
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, opt
+
+
 def train_steps(model, opt, steps: int, *, rank: int = 0, start: int = 0) -> list[float]:
     losses = []
     for step in range(start, start + steps):
@@ -58,12 +102,13 @@ def train_steps(model, opt, steps: int, *, rank: int = 0, start: int = 0) -> lis
     return losses
 
 
-def full_state(model, opt) -> dict:
-    """Gathered, unsharded model and optimizer state keyed by FQN (collective)."""
+def full_state(model, opt, *, cpu_offload: bool = True) -> dict:
+    """Gathered, unsharded model and optimizer state keyed by FQN (collective).
+    ``cpu_offload=False`` for FSDP1 on CPU, whose rank-0-only gather fails there."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     msd, osd = get_state_dict(
-        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
     )
     # Deep copy: CPU tensors such as AdamW's ``step`` come back as the live objects.
     return copy.deepcopy({"model": msd, "optimizer": osd.get("state", {})})

@@ -257,9 +257,7 @@ def _manifest_body(
         per_rank = c.name in staged.per_rank
         entry: dict[str, Any] = {"kind": c.kind, "per_rank": per_rank}
         if isinstance(c, ModelComponent):  # trainable parameters (not buffers, not frozen)
-            entry["parameters"] = sorted(
-                fqn for p, fqn in c.parameter_fqns().items() if p.requires_grad
-            )
+            entry["parameters"] = c.trainable_fqns()
         if per_rank:
             entry["ranks"] = {str(r): g["skeletons"][c.name] for r, g in enumerate(gathered)}
         else:

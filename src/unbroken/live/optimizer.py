@@ -4,7 +4,8 @@ Everything ``Optimizer.state_dict()`` returns is saved: per-parameter state (key
 parameter's normalized FQN instead of its position), param groups, state under keys that
 are not parameters, and any extra top-level entries wrappers and third-party optimizers
 add. On restore the state goes through ``load_state_dict`` (so the optimizer's hooks run),
-then every value torch cast or converted is put back exactly as saved.
+then every value torch cast or converted is put back exactly as saved. An optimizer over
+an FSDP1 model goes through FSDP's own conversion (``fsdp1.FSDP1Optimizer``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import IncompleteCheckpointError, StateMismatchError
+from .fsdp1 import FSDP1Optimizer
 from .state import Component, ModelComponent, _listing, _named, empty_target
 
 # State entries that always have their parameter's shape (torch's built-in optimizers).
@@ -39,21 +41,44 @@ class OptimizerComponent(Component):
         self.optimizers = _named(optimizer, torch.optim.Optimizer, "optimizer")
         self.model = model
         self._fqn_of: dict[nn.Parameter, str] | None = None
+        self._fsdp1: dict[str | None, FSDP1Optimizer] | None = None
 
     def _fqns(self) -> dict[nn.Parameter, str]:
+        """Each parameter's FQN; FSDP1 flat parameters (many FQNs) are left out: only
+        optimizers over FSDP1 models hold them, and those go through FSDP1Optimizer."""
         if self._fqn_of is None:
-            self._fqn_of = self.model.parameter_fqns()
+            sets = self.model.parameter_fqn_sets()
+            self._fqn_of = {p: next(iter(f)) for p, f in sets.items() if len(f) == 1}
         return self._fqn_of
 
-    def _group_fqns(self, opt: torch.optim.Optimizer, where: str) -> list[list[str]]:
-        return group_fqns(opt, self._fqns(), where, "the model passed to Checkpointer")
+    def _fsdp1_optimizers(self) -> dict[str | None, FSDP1Optimizer]:
+        """The optimizers over an FSDP1 model (by their name), each with that model."""
+        if self._fsdp1 is None:
+            self._fsdp1 = {}
+            for name, opt in self.optimizers.items():
+                held = {id(p) for group in opt.param_groups for p in group["params"]}
+                for key, module in self.model.models.items():
+                    if self.model.fsdp1[key] and any(id(p) in held for p in module.parameters()):
+                        prefix = "" if key is None else f"{key}."
+                        self._fsdp1[name] = FSDP1Optimizer(module, opt, prefix, self._where(name))
+                        break
+        return self._fsdp1
+
+    def _group_fqns(self, name: str | None, opt: torch.optim.Optimizer) -> list[list[str]]:
+        fsdp = self._fsdp1_optimizers().get(name)
+        if fsdp is not None:
+            return fsdp.groups()
+        return group_fqns(opt, self._fqns(), self._where(name), "the model passed to Checkpointer")
 
     def _where(self, name: str | None) -> str:
         return "optimizer" if name is None else f"optimizer[{name!r}]"
 
     def _capture_one(self, name: str | None, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        fsdp = self._fsdp1_optimizers().get(name)
+        if fsdp is not None:
+            return fsdp.capture()
         where = self._where(name)
-        groups = self._group_fqns(opt, where)
+        groups = self._group_fqns(name, opt)
         by_index = [fqn for names in groups for fqn in names]
         sd = opt.state_dict()
         if NON_PARAM_STATE in sd:
@@ -91,7 +116,7 @@ class OptimizerComponent(Component):
                     f"the checkpoint has no state for {where}; pass reset={{'optimizer'}} "
                     "to start it fresh on purpose"
                 )
-            live_groups = self._group_fqns(opt, where)
+            live_groups = self._group_fqns(name, opt)
             saved_groups = [g["params"] for g in saved["param_groups"]]
             if len(saved_groups) != len(live_groups):
                 raise StateMismatchError(
@@ -115,20 +140,29 @@ class OptimizerComponent(Component):
 
     def targets(self, saved_keys: dict[str, dict], live: dict[str, torch.Tensor]) -> dict:
         params = {fqn: p for p, fqn in self._fqns().items()}
+        shapes = {fqn: p.shape for fqn, p in params.items()}
+        # FSDP1: the original parameters' unsharded shapes; their state loads into DTensors
+        # sharded as FSDP shards it.
+        sharded = {
+            fqn: (fsdp, original)
+            for fsdp in self._fsdp1_optimizers().values()
+            for fqn, original in fsdp.originals().items()
+        }
+        shapes.update((fqn, original.shape) for fqn, (_, original) in sharded.items())
         out, wrong = {}, []
         for key, entry in saved_keys.items():
-            fqn, state_name = _param_of_state_key(key, params)
-            param = params.get(fqn) if fqn is not None else None
-            if (
-                param is not None
-                and state_name in PARAM_SHAPED
-                and list(param.shape) != entry["shape"]
-            ):
+            fqn, state_name = _param_of_state_key(key, shapes)
+            shape = shapes.get(fqn) if fqn is not None else None
+            if shape is not None and state_name in PARAM_SHAPED and list(shape) != entry["shape"]:
                 wrong.append(
                     f"{fqn}/{state_name}: saved shape {tuple(entry['shape'])}, parameter "
-                    f"shape {tuple(param.shape)}"
+                    f"shape {tuple(shape)}"
                 )
-            out[key] = empty_target(entry, param)
+            if fqn in sharded and entry["shape"]:
+                fsdp, original = sharded[fqn]
+                out[key] = fsdp.target(entry, original)
+            else:
+                out[key] = empty_target(entry, params.get(fqn) if fqn is not None else None)
         if wrong:
             raise StateMismatchError(
                 "optimizer state does not fit the live parameters (the model changed since "
@@ -138,11 +172,16 @@ class OptimizerComponent(Component):
         return out
 
     def install(self, state: Any) -> None:
+        fsdp = self._fsdp1_optimizers()
         for name, opt in self.optimizers.items():
-            self._install_one(opt, state if name is None else state[name], self._where(name))
+            saved = state if name is None else state[name]
+            if name in fsdp:
+                fsdp[name].install(saved)
+            else:
+                self._install_one(name, opt, saved)
 
-    def _install_one(self, opt: torch.optim.Optimizer, saved: dict, where: str) -> None:
-        live_groups = self._group_fqns(opt, where)
+    def _install_one(self, name: str | None, opt: torch.optim.Optimizer, saved: dict) -> None:
+        live_groups = self._group_fqns(name, opt)
         index = {fqn: i for i, fqn in enumerate(f for names in live_groups for f in names)}
         groups = []
         for g, names in enumerate(live_groups):

@@ -1,21 +1,21 @@
 """Live training objects <-> nested state with tensors, one class per kind of component.
 
 Model and optimizer state are keyed by normalized parameter FQNs (torch's own rules for
-``torch.compile``, activation checkpointing, DDP and FSDP2 wrappers), so a checkpoint
-restores into the same model wrapped differently. Load targets are built from what the
+``torch.compile``, activation checkpointing, DDP, FSDP1 and FSDP2 wrappers), so a
+checkpoint restores into the same model wrapped differently. Load targets are built from what the
 checkpoint holds, never from the live optimizer's lazily created state (DESIGN.md F1).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    _get_fqns,
     get_model_state_dict,
     set_model_state_dict,
 )
@@ -24,6 +24,8 @@ from torch.distributed.tensor import DTensor
 from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
 from ..format import layout, tree
 from ..format.manifest import DTYPES
+from . import fsdp1
+from .torch_compat import normalized_fqns
 
 _MAX_LISTED = 5
 
@@ -109,8 +111,16 @@ class ModelComponent(Component):
     def __init__(self, model: nn.Module | Mapping[str, nn.Module], name: str = "model") -> None:
         self.name = name
         self.models = _named(model, nn.Module, "model")
+        # FSDP1 models give their sharded state as DTensors within fsdp1.sharded_state.
+        self.fsdp1 = {
+            key: fsdp1.is_fsdp1(m, "model" if key is None else f"model[{key!r}]")
+            for key, m in self.models.items()
+        }
         if None not in self.models:
             _check_joined_names(self.models)
+
+    def _state_context(self, key: str | None) -> Any:
+        return fsdp1.sharded_state(self.models[key]) if self.fsdp1[key] else nullcontext()
 
     def capture(self) -> Any:
         # torch returns an OrderedDict; a plain dict keeps the model's skeleton a JSON
@@ -118,22 +128,45 @@ class ModelComponent(Component):
         # type means nothing here: set_model_state_dict takes any mapping. strict=False:
         # torch refuses an empty model state only when strict; a part without state
         # (nn.Identity) is simply empty.
-        return _unnamed(self.models, lambda m: dict(get_model_state_dict(m, options=_GET_OPTIONS)))
+        def one(key: str | None) -> dict[str, Any]:
+            with self._state_context(key):
+                return dict(get_model_state_dict(self.models[key], options=_GET_OPTIONS))
 
-    def parameter_fqns(self) -> dict[nn.Parameter, str]:
-        """Each parameter's normalized FQN (prefixed ``name.`` for a dict of models)."""
-        out: dict[nn.Parameter, str] = {}
+        if None in self.models:
+            return one(None)
+        return {key: one(key) for key in self.models}
+
+    def parameter_fqn_sets(self) -> dict[nn.Parameter, set[str]]:
+        """Each parameter's normalized FQNs (prefixed ``name.`` for a dict of models): one,
+        or for an FSDP1 flat parameter those of the original parameters it holds."""
+        out: dict[nn.Parameter, set[str]] = {}
         for name, module in self.models.items():
             for raw, param in module.named_parameters():
-                fqns = _get_fqns(module, raw)
-                if len(fqns) != 1:
-                    raise CheckpointError(
-                        f"parameter {raw!r} maps to {len(fqns)} FQNs (FSDP1 flat parameters "
-                        "are not supported; use FSDP2 fully_shard)"
-                    )
-                fqn = next(iter(fqns))
-                out[param] = fqn if name is None else f"{name}.{fqn}"
+                fqns = normalized_fqns(module, raw)
+                out[param] = fqns if name is None else {f"{name}.{fqn}" for fqn in fqns}
         return out
+
+    def parameter_fqns(self) -> dict[nn.Parameter, str]:
+        """Each parameter's normalized FQN (prefixed ``name.`` for a dict of models).
+
+        Raises:
+            CheckpointError: a parameter is an FSDP1 flat parameter (many FQNs).
+        """
+        out: dict[nn.Parameter, str] = {}
+        for param, fqns in self.parameter_fqn_sets().items():
+            if len(fqns) != 1:
+                raise CheckpointError(
+                    f"a parameter maps to {len(fqns)} FQNs ({_listing(sorted(fqns))}): an "
+                    "FSDP1 flat parameter (use_orig_params=False); this needs one parameter "
+                    "per FQN: use use_orig_params=True, FSDP2 fully_shard or the plain model"
+                )
+            out[param] = next(iter(fqns))
+        return out
+
+    def trainable_fqns(self) -> list[str]:
+        """Sorted FQNs of the trainable parameters (not buffers, not frozen)."""
+        fqns = self.parameter_fqn_sets()
+        return sorted({fqn for p, names in fqns.items() if p.requires_grad for fqn in names})
 
     def targets(self, saved_keys: dict[str, dict], live: dict[str, torch.Tensor]) -> dict:
         missing = sorted(set(live) - set(saved_keys))
@@ -180,7 +213,8 @@ class ModelComponent(Component):
         for name, module in self.models.items():
             part = state if name is None else state[name]
             if part:  # an empty part has no live tensors either (checked by targets())
-                set_model_state_dict(module, part, options=options)
+                with self._state_context(name):
+                    set_model_state_dict(module, part, options=options)
 
 
 _GET_OPTIONS = StateDictOptions(strict=False)
@@ -211,7 +245,7 @@ def _state_fqns(module: nn.Module) -> list[str]:
         owner, _, leaf = n.rpartition(".")
         if leaf not in module.get_submodule(owner)._non_persistent_buffers_set:
             raw.append(n)
-    return list(dict.fromkeys(fqn for n in raw for fqn in sorted(_get_fqns(module, n))))
+    return list(dict.fromkeys(fqn for n in raw for fqn in sorted(normalized_fqns(module, n))))
 
 
 class StatefulComponent(Component):

@@ -1,0 +1,95 @@
+"""The private PyTorch internals unbroken relies on, all in this one module.
+
+Each function below reads or sets something torch does not promise to keep (a leading
+underscore). ``tests/distributed/test_fsdp1.py`` checks each behaviour on every torch
+version CI runs, so a change in torch fails there, by name, instead of writing or
+restoring a wrong checkpoint.
+
+- :func:`normalized_fqns`: torch's FQN normalization (``_get_fqns``), which drops the
+  prefixes of ``torch.compile``, activation checkpointing, DDP and FSDP wrappers.
+- :func:`fsdp1_originals`: the original parameters an FSDP1 module manages
+  (``FlatParameter._fqns``, ``_shapes``, ``_param_infos``, through FSDP's own
+  ``_get_fqn_to_fsdp_param_info``, so the FQNs are the ones FSDP keys optimizer state by).
+- :func:`fsdp1_uses_orig_params`: an FSDP1 module's ``use_orig_params`` (``_use_orig_params``).
+- :func:`fsdp1_dtensor_state` (and :func:`fsdp1_mesh`): FSDP1 gives its sharded state
+  as DTensors, not ShardedTensors, when its modules carry a device mesh (``_device_mesh``;
+  one is built from the module's ``process_group`` and ``compute_device``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import _get_fqns
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp._optim_utils import _get_fqn_to_fsdp_param_info
+
+
+def normalized_fqns(module: nn.Module, name: str) -> set[str]:
+    """The normalized FQNs of ``module``'s parameter or buffer ``name``.
+
+    One FQN, except for an FSDP1 flat parameter (``use_orig_params=False``): the FQNs of
+    the original parameters it holds.
+    """
+    return set(_get_fqns(module, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class Original:
+    """An original parameter managed by an FSDP1 module."""
+
+    shape: torch.Size  # unsharded
+    owner: nn.Module  # the module that registered it
+    index: int  # its position in its flat parameter (the owner's registration order)
+    fsdp: FSDP  # the FSDP1 module that manages it
+
+
+def fsdp1_originals(model: nn.Module) -> dict[str, Original]:
+    """FQN -> :class:`Original` for every parameter an FSDP1 module of ``model`` manages,
+    in either ``use_orig_params`` mode; the FQNs are those FSDP keys optimizer state by."""
+    out: dict[str, Original] = {}
+    for fqn, info in _get_fqn_to_fsdp_param_info(model).items():
+        flat = info.handle.flat_param
+        i = info.param_indices[fqn]
+        out[fqn] = Original(torch.Size(flat._shapes[i]), flat._param_infos[i].module, i, info.state)
+    return out
+
+
+def fsdp1_uses_orig_params(module: FSDP) -> bool:
+    """The ``use_orig_params`` an FSDP1 module was built with."""
+    return bool(module._use_orig_params)
+
+
+def fsdp1_mesh(module: FSDP) -> DeviceMesh:
+    """The device mesh FSDP1 builds DTensors on: the one the module was given, or else a
+    one-dimensional mesh over its process group (structurally equal on every call)."""
+    mesh = module._device_mesh
+    if mesh is None:
+        mesh = DeviceMesh.from_group(module.process_group, module.compute_device.type)
+    return mesh
+
+
+@contextlib.contextmanager
+def fsdp1_dtensor_state(model: nn.Module) -> Iterator[None]:
+    """Within: the FSDP1 modules of ``model`` give and take sharded state (model and
+    optimizer, ``SHARDED_STATE_DICT``) as DTensors sharded on dim 0, not ShardedTensors.
+
+    torch switches to DTensors when a module carries a device mesh; a module built
+    without one gets a mesh over its process group for the duration, then none again,
+    so the user's own ``state_dict()`` calls are unchanged.
+    """
+    lent = []
+    for module in FSDP.fsdp_modules(model):
+        if module._device_mesh is None:
+            module._device_mesh = fsdp1_mesh(module)
+            lent.append(module)
+    try:
+        yield
+    finally:
+        for module in lent:
+            module._device_mesh = None
