@@ -12,14 +12,15 @@ import json
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
 
-from ..errors import CorruptCheckpointError
-from . import layout
+from ..errors import CheckpointError, CorruptCheckpointError
+from . import files, layout
 from .storage import folder_step, step_dir_name
 
 FORMAT = "unbroken-checkpoint"
@@ -95,10 +96,14 @@ def read(directory: Path) -> dict[str, Any]:
     """Read and validate a manifest.
 
     Raises:
-        CorruptCheckpointError: missing, oversized, unparsable, altered, of an unknown
-            format, or describing unsafe files or impossible tensors.
+        CorruptCheckpointError: missing, a symbolic link, oversized, unparsable,
+            altered, of an unknown format, or describing unsafe files or impossible
+            tensors.
     """
     path = directory / "manifest.json"
+    files.refuse_links(directory)
+    if path.is_symlink():
+        raise CorruptCheckpointError(f"{path} is a symbolic link; checkpoints never are")
     try:
         size = path.stat().st_size
         if size > MAX_MANIFEST_BYTES:
@@ -132,6 +137,17 @@ def read(directory: Path) -> dict[str, Any]:
             f"{step_dir_name(doc['step'])} if that is where it belongs, or use another step"
         )
     return doc
+
+
+def require_native_byteorder(directory: Path, doc: dict[str, Any]) -> None:
+    """Raise unless the checkpoint's tensor bytes are in this machine's byte order."""
+    order = doc.get("byteorder", "little")
+    if order != sys.byteorder:
+        raise CheckpointError(
+            f"{directory} holds {order}-endian tensor bytes (written on a {order}-endian "
+            f"machine); this machine is {sys.byteorder}-endian and cannot read them as "
+            "they are: restore it on a machine of that byte order"
+        )
 
 
 def _refuse_constant(name: str) -> Any:

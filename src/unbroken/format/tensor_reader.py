@@ -9,7 +9,7 @@ checksum is checked before its bytes are used.
 
 from __future__ import annotations
 
-import sys
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -18,7 +18,8 @@ import torch
 import xxhash
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from .manifest import DTYPES
+from . import files
+from .manifest import DTYPES, require_native_byteorder
 
 
 class TensorReader:
@@ -50,12 +51,7 @@ class TensorReader:
         self.doc = doc
         self.on_bytes = on_bytes
         self._files: dict[str, IO[bytes]] = {}
-        order = doc.get("byteorder", "little")
-        if order != sys.byteorder:
-            raise CheckpointError(
-                f"{self.folder} holds {order}-endian tensors; this machine is "
-                f"{sys.byteorder}-endian and cannot read them without conversion"
-            )
+        require_native_byteorder(self.folder, doc)
 
     def __enter__(self) -> TensorReader:
         return self
@@ -129,12 +125,19 @@ class TensorReader:
     def _open(self, path: Path, name: str) -> IO[bytes]:
         f = self._files.get(name)
         if f is None:
-            try:
-                f = open(path, "rb")  # noqa: SIM115 - kept open across reads, closed in close()
-            except FileNotFoundError:
-                raise CorruptCheckpointError(f"{path} is missing") from None
+            # The rules of restore (format/files.py): a plain file, never a link, of its
+            # recorded size, not sparse; checked before any memory is spent on its bytes.
+            record = self.doc["files"].get(name)
+            why = files.file_problem(path, record["size"]) if record else f"{path} is unlisted"
+            if why is not None:
+                raise CorruptCheckpointError(why)
+            f = open(path, "rb", opener=_no_follow)  # noqa: SIM115 - closed in close()
             self._files[name] = f
         return f
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def tensor_nbytes(entry: dict[str, Any]) -> int:

@@ -12,7 +12,6 @@ naming its file or tensor, rather than stopping at the first.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import xxhash
 
 from ..errors import CheckpointError
-from ..format import fingerprint, manifest, tree
+from ..format import files, fingerprint, manifest, tree
 from ..format.storage import MANIFEST, folder_step
 from ..format.tensor_reader import TensorReader
 from .coverage import optimizer_coverage
@@ -79,6 +78,11 @@ def audit(folder: str | Path, *, on_bytes: Callable[[int], None] | None = None) 
         report.fail(MANIFEST, str(exc))
         return report
     report.step = doc["step"]
+    try:
+        manifest.require_native_byteorder(folder, doc)
+    except CheckpointError as exc:
+        report.fail(MANIFEST, str(exc))
+        return report
     absent = _check_files(folder, doc, report)
     _check_chunk_records(doc, report)
     _check_references(doc, report)
@@ -128,22 +132,13 @@ def audit(folder: str | Path, *, on_bytes: Callable[[int], None] | None = None) 
 
 
 def _check_files(folder: Path, doc: dict[str, Any], report: AuditReport) -> set[str]:
-    absent = set()
-    for name, rec in sorted(doc["files"].items()):
-        path = folder / name
-        report.files_checked += 1
-        if not path.is_file():
-            report.fail(name, f"{path} is missing")
-            absent.add(name)
-        elif path.stat().st_size != rec["size"]:
-            report.fail(
-                name,
-                f"{path} is {path.stat().st_size} bytes, the manifest says {rec['size']}: "
-                "it was truncated or altered",
-            )
-    for name in sorted(set(os.listdir(folder)) - set(doc["files"]) - {MANIFEST}):
-        report.fail(name, f"{folder / name} is not listed in the manifest")
-    return absent
+    """The rules restore applies (format/files.py); returns the files not to read."""
+    report.files_checked += len(doc["files"])
+    unread = set()
+    for name, message in files.problems(folder, doc["files"]):
+        report.fail(name, message)
+        unread.add(name)
+    return unread
 
 
 def _check_chunk_records(doc: dict[str, Any], report: AuditReport) -> None:
