@@ -19,7 +19,7 @@ from ..errors import (
     IncompleteCheckpointError,
     StateMismatchError,
 )
-from ..format import files, manifest, tree
+from ..format import files, manifest, schema, tree
 from ..format.shards import ShardReader, quiet_single_process
 from ..format.storage import CheckpointDir
 from ..live import probe, snapshot
@@ -87,6 +87,12 @@ def check_folder(folder: Path) -> dict[str, Any]:
     problems = files.problems(folder, doc["files"])
     if problems:
         raise CorruptCheckpointError(f"{problems[0][1]}; use an older step")
+    unreferenced = schema.unreferenced(doc)
+    if unreferenced:
+        raise CorruptCheckpointError(
+            f"{folder}: the manifest lists tensor(s) no component references "
+            f"({', '.join(unreferenced[:5])}): it was altered; use an older step"
+        )
     manifest.require_native_byteorder(folder, doc)
     return doc
 

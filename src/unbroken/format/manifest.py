@@ -9,9 +9,7 @@ the probe value and recent tracked metrics. ``manifest_checksum`` covers the res
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,22 +18,13 @@ import torch
 import xxhash
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from . import files, layout
+from . import files, schema
+from .schema import DTYPES
 from .storage import folder_step, step_dir_name
 
 FORMAT = "unbroken-checkpoint"
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
-_SAFE_FILE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64, torch.complex128,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-        torch.uint16, torch.uint32, torch.uint64,
-    )
-}  # fmt: skip
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -93,12 +82,12 @@ def _sorted(node: Any) -> Any:
 
 
 def read(directory: Path) -> dict[str, Any]:
-    """Read and validate a manifest.
+    """Read and validate a manifest (see :mod:`unbroken.format.schema`).
 
     Raises:
         CorruptCheckpointError: missing, a symbolic link, oversized, unparsable,
-            altered, of an unknown format, or describing unsafe files or impossible
-            tensors.
+            altered, of an unknown format, or failing the schema (unsafe files,
+            impossible tensors, malformed fields).
     """
     path = directory / "manifest.json"
     files.refuse_links(directory)
@@ -119,8 +108,9 @@ def read(directory: Path) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{path} is not valid JSON ({exc}); it is damaged") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{path} is not an unbroken manifest")
+    schema.check_json(path, doc)  # depth and 1e999 first: the digest below recurses
     version = doc.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
         raise CorruptCheckpointError(
             f"{path} has format_version {version!r}; this unbroken reads up to "
             f"{FORMAT_VERSION}: upgrade unbroken"
@@ -128,7 +118,7 @@ def read(directory: Path) -> dict[str, Any]:
     claimed = doc.pop("manifest_checksum", None)
     if claimed != _digest(doc):
         raise CorruptCheckpointError(f"{path} fails its checksum: the manifest was altered")
-    _validate(path, doc)
+    schema.validate(path, doc)
     named = folder_step(directory)
     if named is not None and named != doc["step"]:
         raise CorruptCheckpointError(
@@ -152,60 +142,3 @@ def require_native_byteorder(directory: Path, doc: dict[str, Any]) -> None:
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _validate(path: Path, doc: dict[str, Any]) -> None:
-    def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{path}: {why}")
-
-    for field, kind in (("step", int), ("world_size", int), ("tensors", dict), ("files", dict),
-                        ("components", dict), ("lineage", list)):  # fmt: skip
-        if not isinstance(doc.get(field), kind):
-            raise bad(f"field {field!r} is missing or not a {kind.__name__}")
-    if doc["step"] < 0 or doc["world_size"] < 1:
-        raise bad("step or world_size out of range")
-    files = doc["files"]
-    for name, rec in files.items():
-        if not _SAFE_FILE.match(name) or name in (".", "..") or name == "manifest.json":
-            raise bad(f"unsafe file name {name!r}")
-        if not isinstance(rec, dict) or not _nonneg_int(rec.get("size")):
-            raise bad(f"file record of {name!r} is malformed")
-    for key, entry in doc["tensors"].items():
-        _validate_tensor(key, entry, files, bad)
-
-
-def _nonneg_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _validate_tensor(key: str, entry: Any, files: dict, bad) -> None:
-    if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
-        raise bad(f"tensor {key!r}: unknown dtype")
-    shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(_nonneg_int(s) for s in shape):
-        raise bad(f"tensor {key!r}: malformed shape {shape!r}")
-    itemsize = torch.empty(0, dtype=DTYPES[entry["dtype"]]).element_size()
-    covered = 0
-    for c in entry.get("chunks", []):
-        offsets, sizes = c.get("offsets"), c.get("sizes")
-        if not (isinstance(offsets, list) and isinstance(sizes, list)) or not (
-            len(offsets) == len(sizes) == len(shape)
-        ):
-            raise bad(f"tensor {key!r}: malformed chunk")
-        if not all(_nonneg_int(v) for v in offsets + sizes) or any(
-            o + s > dim for o, s, dim in zip(offsets, sizes, shape, strict=True)
-        ):
-            raise bad(f"tensor {key!r}: a chunk lies outside shape {shape}")
-        length = math.prod(sizes) * itemsize
-        rec = files.get(c.get("file"))
-        if rec is None:
-            raise bad(f"tensor {key!r}: chunk in unlisted file {c.get('file')!r}")
-        if c.get("length") != length or not _nonneg_int(c.get("offset")):
-            raise bad(f"tensor {key!r}: chunk length does not match its shape")
-        if c["offset"] + length > rec["size"]:
-            raise bad(f"tensor {key!r}: chunk lies beyond the end of {c['file']}")
-        covered += math.prod(sizes)
-    if covered != math.prod(shape):
-        raise bad(f"tensor {key!r}: chunks cover {covered} of {math.prod(shape)} elements")
-    if "stride" in entry and not layout.valid_stride(shape, entry["stride"]):
-        raise bad(f"tensor {key!r}: stride {entry['stride']!r} does not lay out shape {shape}")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import IncompleteCheckpointError, StateMismatchError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
 from .state import Component, ModelComponent, _listing, _named, empty_target
 
 # State entries that always have their parameter's shape (torch's built-in optimizers).
@@ -151,9 +151,17 @@ class OptimizerComponent(Component):
             groups.append(entry)
         state: dict[Any, Any] = {index[fqn]: dict(v) for fqn, v in saved["state"].items()}
         other = saved.get(NON_PARAM_STATE, {})
+        if not isinstance(other, Mapping):
+            raise CorruptCheckpointError(f"{where}: the saved {NON_PARAM_STATE!r} is no mapping")
         state.update(other)
         extras = {k: v for k, v in saved.items() if k not in (*_STANDARD, NON_PARAM_STATE)}
-        opt.load_state_dict({"state": state, "param_groups": groups, **extras})
+        try:
+            opt.load_state_dict({"state": state, "param_groups": groups, **extras})
+        except Exception as exc:  # torch's own checks of what it is given
+            raise StateMismatchError(
+                f"{where}.load_state_dict refused the saved state ({type(exc).__name__}: "
+                f"{exc}); it does not fit this optimizer"
+            ) from exc
         # torch's load_state_dict casts floating state, nested lists and dicts included, to
         # each parameter's dtype (fp32 moments of a bf16 parameter become bf16): put back
         # exactly what was saved.
