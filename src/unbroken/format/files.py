@@ -79,3 +79,17 @@ def problems(folder: Path, listed: Mapping[str, Mapping[str, Any]]) -> list[tupl
         found.append((name, f"{folder / name} is not listed in the manifest: something other "
                             "than the save wrote there"))  # fmt: skip
     return found
+
+
+def shard_budget(folder: Path) -> tuple[int, int]:
+    """(plain files other than the manifest, bytes they take on disk) in ``folder``: what a
+    manifest's size is judged against before it is parsed."""
+    count = held = 0
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            if entry.name == MANIFEST or not entry.is_file(follow_symlinks=False):
+                continue
+            st = entry.stat(follow_symlinks=False)
+            count += 1
+            held += min(st.st_size, allocated(st))
+    return count, held

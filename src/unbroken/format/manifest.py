@@ -8,8 +8,10 @@ the probe value and recent tracked metrics. ``manifest_checksum`` covers the res
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,12 @@ from .storage import folder_step, step_dir_name
 FORMAT = "unbroken-checkpoint"
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
+# Before it is parsed (which takes up to ~26x its size in memory), a manifest's size is
+# judged against the checkpoint it describes: a base, a budget per shard file (per-rank
+# state lives in the manifest) and per byte those files take on disk (tensor entries).
+MANIFEST_BASE = 4 << 20
+MANIFEST_PER_FILE = 4 << 20
+MANIFEST_PER_BYTE = 64
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -85,25 +93,21 @@ def read(directory: Path) -> dict[str, Any]:
     """Read and validate a manifest (see :mod:`unbroken.format.schema`).
 
     Raises:
-        CorruptCheckpointError: missing, a symbolic link, oversized, unparsable,
-            altered, of an unknown format, or failing the schema (unsafe files,
-            impossible tensors, malformed fields).
+        CorruptCheckpointError: missing, a symbolic link, larger than its checkpoint can
+            need, unparsable, altered, of an unknown format, or failing the schema
+            (unsafe files, impossible tensors, malformed fields).
     """
     path = directory / "manifest.json"
     files.refuse_links(directory)
-    if path.is_symlink():
-        raise CorruptCheckpointError(f"{path} is a symbolic link; checkpoints never are")
     try:
-        size = path.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(f"{path} is {size} bytes, larger than any manifest")
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f, parse_constant=_refuse_constant)
+        text = _read_bounded(path, directory)
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{path} is missing: {directory} is not a committed checkpoint (a step folder "
             "whose manifest was lost or deleted is damaged and never restored)"
         ) from None
+    try:
+        doc = json.loads(text, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path} is not valid JSON ({exc}); it is damaged") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
@@ -127,6 +131,36 @@ def read(directory: Path) -> dict[str, Any]:
             f"{step_dir_name(doc['step'])} if that is where it belongs, or use another step"
         )
     return doc
+
+
+def _read_bounded(path: Path, directory: Path) -> bytes:
+    """The manifest's bytes, if it is a plain file no larger than its checkpoint can
+    need (judged before parsing: see ``MANIFEST_PER_FILE``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise CorruptCheckpointError(f"{path} is a symbolic link; checkpoints never are") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{path} is not a regular file")
+        count, held = files.shard_budget(directory)
+        limit = min(
+            MAX_MANIFEST_BYTES,
+            MANIFEST_BASE + MANIFEST_PER_FILE * count + MANIFEST_PER_BYTE * held,
+        )
+        if st.st_size > limit:
+            raise CorruptCheckpointError(
+                f"{path} is {st.st_size} bytes, more than a checkpoint of {count} shard "
+                f"file(s) taking {held} bytes can need ({limit}); it was not parsed: the "
+                "checkpoint is damaged or hostile"
+            )
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{path} grew while it was read; it is damaged")
+    return data
 
 
 def require_native_byteorder(directory: Path, doc: dict[str, Any]) -> None:
