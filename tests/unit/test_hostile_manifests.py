@@ -210,3 +210,26 @@ def test_nesting_is_bounded_before_any_recursion(pristine, tmp_path):
     (work / "step_00000002" / "manifest.json").write_text(json.dumps(doc))
     with pytest.raises(ub.CorruptCheckpointError, match="nested"):
         manifest.read(work / "step_00000002")
+
+
+class _Deep:
+    """An ``extra`` whose state is 70 dicts with an int key, one inside the other."""
+
+    def state_dict(self):
+        state = {"leaf": 1}
+        for _ in range(70):
+            state = {1: state}  # int keys: a tagged dict, 3 JSON levels each
+        return state
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_state_nested_deeper_than_restore_reads_is_refused_at_save(tmp_path):
+    """A state of 70 nested dicts with int keys (over 200 JSON levels, which restore
+    refuses): save() raises a TypeError naming the component, and commits nothing."""
+    p = Problem()
+    ckpt = p.checkpointer(tmp_path / "run", extra={"deep": _Deep()})
+    with pytest.raises(TypeError, match=r"deep/.*nested deeper than 60 levels"):
+        ckpt.save(1)
+    assert ckpt.steps() == []
