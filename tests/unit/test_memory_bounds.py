@@ -128,3 +128,25 @@ def test_hostile_checkpoints_are_refused_before_their_memory_is_spent(tmp_path):
             assert verdict.startswith("CorruptCheckpointError"), (what, verdict)
         else:
             assert verdict and not verdict.startswith("crashed"), (what, verdict)
+
+
+class _Blob:
+    """An ``extra`` holding 9 MiB of text: state that is not tensors."""
+
+    def state_dict(self):
+        return {"blob": "x" * (9 << 20)}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_save_readers_would_refuse_as_too_large_is_not_committed(tmp_path):
+    """A save whose manifest (9 MiB of non-tensor state beside an 8 KiB shard) would be
+    larger than readers accept: save() raises a CheckpointError saying so, and commits
+    nothing (restore would have refused the checkpoint)."""
+    p = Problem()
+    ckpt = p.checkpointer(tmp_path / "run", extra={"blob": _Blob()})
+    with pytest.raises(ub.CheckpointError, match="not tensors"):
+        ckpt.save(1)
+    assert ckpt.steps() == []
+    assert [f.name for f in (tmp_path / "run").iterdir() if f.is_dir()] == []

@@ -50,14 +50,35 @@ def _digest(body: dict[str, Any]) -> str:
 
 
 def write(directory: Path, body: dict[str, Any]) -> None:
-    """Write ``manifest.json`` (with its own checksum) and fsync it."""
+    """Write ``manifest.json`` (with its own checksum) and fsync it.
+
+    Raises:
+        CheckpointError: the manifest is larger than :func:`read` accepts beside the
+            shard files written with it (too much state that is not tensors): a
+            checkpoint no restore could read is never committed.
+    """
     doc = dict(body, format=FORMAT, format_version=FORMAT_VERSION)
     doc["manifest_checksum"] = _digest(doc)
     path = directory / "manifest.json"
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(_layout(doc), f, indent=1, allow_nan=False)
+    data = json.dumps(_layout(doc), indent=1, allow_nan=False).encode()
+    count, held = files.shard_budget(directory)
+    if len(data) > _size_limit(count, held):
+        raise CheckpointError(
+            f"{path} would be {len(data)} bytes, more than readers accept beside {count} "
+            f"shard file(s) of {held} bytes ({_size_limit(count, held)}): the state holds too "
+            "much that is not tensors; return large values as tensors from state_dict()"
+        )
+    with open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _size_limit(count: int, held: int) -> int:
+    """The largest manifest read accepts beside ``count`` shard files taking ``held`` bytes."""
+    return min(
+        MAX_MANIFEST_BYTES, MANIFEST_BASE + MANIFEST_PER_FILE * count + MANIFEST_PER_BYTE * held
+    )
 
 
 def _layout(doc: dict[str, Any]) -> dict[str, Any]:
@@ -147,10 +168,7 @@ def _read_bounded(path: Path, directory: Path) -> bytes:
         if not stat.S_ISREG(st.st_mode):
             raise CorruptCheckpointError(f"{path} is not a regular file")
         count, held = files.shard_budget(directory)
-        limit = min(
-            MAX_MANIFEST_BYTES,
-            MANIFEST_BASE + MANIFEST_PER_FILE * count + MANIFEST_PER_BYTE * held,
-        )
+        limit = _size_limit(count, held)
         if st.st_size > limit:
             raise CorruptCheckpointError(
                 f"{path} is {st.st_size} bytes, more than a checkpoint of {count} shard "
