@@ -15,10 +15,12 @@ from ._common import Command, JsonOption, emit_json, guard, stdout, usage_error
 
 HELP = """Convert a checkpoint written by other code into an unbroken checkpoint.
 
-SECURITY: this reads foreign files that may be pickles, which can run code when
-loaded. A torch.save file is read with torch.load(weights_only=True); a
-torch.distributed.checkpoint directory's .metadata file is a pickle and is unpickled.
-Import only files you trust. (Our own checkpoints are never unpickled.)
+SECURITY: the files read are pickles underneath, and unpickling a crafted one can run
+code. They are read safely: a torch.save file and DCP's non-tensor entries with
+torch.load(weights_only=True), a DCP directory's .metadata with an unpickler that knows
+only the classes DCP metadata is made of. Anything else is refused, naming the file or
+entry (exit 1). --trust-pickle reads them with plain pickle instead, for files from a
+source you trust only; it prints a warning. (Our own checkpoints are never unpickled.)
 
 SRC is either a torch.save file holding {"model": state_dict, "optimizer":
 optimizer.state_dict(), "scheduler"?: state_dict, "step"?: int} (a bare model
@@ -60,10 +62,23 @@ def import_command(
         list[str] | None,
         typer.Option("--ignore", help="A top-level SRC entry to leave out (repeatable)."),
     ] = None,
+    trust_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--trust-pickle",
+            help="Unpickle SRC with plain pickle (can run code): only for files you trust.",
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     from ..tools.importing import build, import_checkpoint, load_factory
 
+    if trust_pickle:
+        print(
+            "WARNING: --trust-pickle: SRC is unpickled with plain pickle, which can run code "
+            "it names; import only files from a source you trust.",
+            file=sys.stderr,
+        )
     if os.getcwd() not in sys.path:  # like `python -m`: the factory's module may be local
         sys.path.insert(0, os.getcwd())
     try:
@@ -73,7 +88,13 @@ def import_command(
     with guard():
         try:
             result = import_checkpoint(
-                source, dest, live_model, live_optimizer, step=step, ignore=ignore or ()
+                source,
+                dest,
+                live_model,
+                live_optimizer,
+                step=step,
+                ignore=ignore or (),
+                trust_pickle=trust_pickle,
             )
         except CheckpointError:
             raise  # some are also ValueErrors; guard() maps them

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -19,9 +18,8 @@ from ..errors import (
     IncompleteCheckpointError,
     StateMismatchError,
 )
-from ..format import manifest, tree
+from ..format import files, manifest, schema, tree
 from ..format.shards import ShardReader, quiet_single_process
-from ..format.storage import MANIFEST
 from ..live import probe, snapshot
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, live_tensors
@@ -35,9 +33,12 @@ logger = logging.getLogger(__name__)
 def check_folder(folder: Path) -> dict[str, Any]:
     """Read and validate a committed checkpoint's manifest and the files it lists.
 
+    The rules are :mod:`unbroken.format.files`'s, which ``unbroken verify`` applies too.
+
     Raises:
-        CorruptCheckpointError: naming the file that is missing, resized, a link, not
-            listed in the manifest, or unreadable (permissions).
+        CorruptCheckpointError: naming the file that is missing, resized, sparse, a
+            link, not listed in the manifest, or unreadable (permissions).
+        CheckpointError: its tensor bytes are in another byte order than this machine's.
     """
     try:
         return _check_folder(folder)
@@ -51,27 +52,17 @@ def check_folder(folder: Path) -> dict[str, Any]:
 
 
 def _check_folder(folder: Path) -> dict[str, Any]:
-    for path in (folder, folder / MANIFEST):
-        if path.is_symlink():
-            raise CorruptCheckpointError(f"{path} is a symbolic link; checkpoints never are")
-    doc = manifest.read(folder)
-    for name, rec in doc["files"].items():
-        path = folder / name
-        if path.is_symlink() or not path.is_file():
-            what = "a symbolic link" if path.is_symlink() else "missing"
-            raise CorruptCheckpointError(f"{path} is {what}; use an older step")
-        size = path.stat().st_size
-        if size != rec["size"]:
-            raise CorruptCheckpointError(
-                f"{path} is {size} bytes, the manifest says {rec['size']}: it was "
-                "truncated or altered; use an older step"
-            )
-    unexpected = sorted(set(os.listdir(folder)) - set(doc["files"]) - {MANIFEST})
-    if unexpected:
+    doc = manifest.read(folder)  # refuses a linked folder or manifest
+    problems = files.problems(folder, doc["files"])
+    if problems:
+        raise CorruptCheckpointError(f"{problems[0][1]}; use an older step")
+    unreferenced = schema.unreferenced(doc)
+    if unreferenced:
         raise CorruptCheckpointError(
-            f"{folder} holds files its manifest does not list ({', '.join(unexpected)}); "
-            "something other than the save wrote there"
+            f"{folder}: the manifest lists tensor(s) no component references "
+            f"({', '.join(unreferenced[:5])}): it was altered; use an older step"
         )
+    manifest.require_native_byteorder(folder, doc)
     return doc
 
 

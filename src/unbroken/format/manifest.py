@@ -8,34 +8,32 @@ the probe value and recent tracked metrics. ``manifest_checksum`` covers the res
 
 from __future__ import annotations
 
+import errno
 import json
-import math
 import os
-import re
+import stat
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
 
-from ..errors import CorruptCheckpointError
-from . import layout
+from ..errors import CheckpointError, CorruptCheckpointError
+from . import files, schema
 from .filesystem import SAVE_FIX, writing
+from .schema import DTYPES
 from .storage import folder_step, step_dir_name
 
 FORMAT = "unbroken-checkpoint"
 FORMAT_VERSION = 1
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
-_SAFE_FILE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64, torch.complex128,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-        torch.uint16, torch.uint32, torch.uint64,
-    )
-}  # fmt: skip
+# Before it is parsed (which takes up to ~26x its size in memory), a manifest's size is
+# judged against the checkpoint it describes: a base, a budget per shard file (per-rank
+# state lives in the manifest) and per byte those files take on disk (tensor entries).
+MANIFEST_BASE = 4 << 20
+MANIFEST_PER_FILE = 4 << 20
+MANIFEST_PER_BYTE = 64
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -58,14 +56,32 @@ def write(directory: Path, body: dict[str, Any]) -> None:
     Raises:
         CheckpointError: the write failed (a full disk, say), naming the path and the
             free space.
+        CheckpointError: the manifest is larger than :func:`read` accepts beside the
+            shard files written with it (too much state that is not tensors): a
+            checkpoint no restore could read is never committed.
     """
     doc = dict(body, format=FORMAT, format_version=FORMAT_VERSION)
     doc["manifest_checksum"] = _digest(doc)
     path = directory / "manifest.json"
-    with writing(path, "writing", SAVE_FIX), open(path, "w", encoding="utf-8") as f:
-        json.dump(_layout(doc), f, indent=1, allow_nan=False)
+    data = json.dumps(_layout(doc), indent=1, allow_nan=False).encode()
+    count, held = files.shard_budget(directory)
+    if len(data) > _size_limit(count, held):
+        raise CheckpointError(
+            f"{path} would be {len(data)} bytes, more than readers accept beside {count} "
+            f"shard file(s) of {held} bytes ({_size_limit(count, held)}): the state holds too "
+            "much that is not tensors; return large values as tensors from state_dict()"
+        )
+    with writing(path, "writing", SAVE_FIX), open(path, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _size_limit(count: int, held: int) -> int:
+    """The largest manifest read accepts beside ``count`` shard files taking ``held`` bytes."""
+    return min(
+        MAX_MANIFEST_BYTES, MANIFEST_BASE + MANIFEST_PER_FILE * count + MANIFEST_PER_BYTE * held
+    )
 
 
 def _layout(doc: dict[str, Any]) -> dict[str, Any]:
@@ -98,24 +114,24 @@ def _sorted(node: Any) -> Any:
 
 
 def read(directory: Path) -> dict[str, Any]:
-    """Read and validate a manifest.
+    """Read and validate a manifest (see :mod:`unbroken.format.schema`).
 
     Raises:
-        CorruptCheckpointError: missing, oversized, unparsable, altered, of an unknown
-            format, or describing unsafe files or impossible tensors.
+        CorruptCheckpointError: missing, a symbolic link, larger than its checkpoint can
+            need, unparsable, altered, of an unknown format, or failing the schema
+            (unsafe files, impossible tensors, malformed fields).
     """
     path = directory / "manifest.json"
+    files.refuse_links(directory)
     try:
-        size = path.stat().st_size
-        if size > MAX_MANIFEST_BYTES:
-            raise CorruptCheckpointError(f"{path} is {size} bytes, larger than any manifest")
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f, parse_constant=_refuse_constant)
+        text = _read_bounded(path, directory)
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{path} is missing: {directory} is not a committed checkpoint (a step folder "
             "whose manifest was lost or deleted is damaged and never restored)"
         ) from None
+    try:
+        doc = json.loads(text, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path} is not valid JSON ({exc}); it is damaged") from None
     except CorruptCheckpointError:
@@ -124,8 +140,9 @@ def read(directory: Path) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{path} is not an unbroken manifest")
+    schema.check_json(path, doc)  # depth and 1e999 first: the digest below recurses
     version = doc.get("format_version")
-    if not isinstance(version, int) or version > FORMAT_VERSION:
+    if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
         raise CorruptCheckpointError(
             f"{path} has format_version {version!r}; this unbroken reads up to "
             f"{FORMAT_VERSION}: upgrade unbroken"
@@ -133,7 +150,7 @@ def read(directory: Path) -> dict[str, Any]:
     claimed = doc.pop("manifest_checksum", None)
     if claimed != _digest(doc):
         raise CorruptCheckpointError(f"{path} fails its checksum: the manifest was altered")
-    _validate(path, doc)
+    schema.validate(path, doc)
     named = folder_step(directory)
     if named is not None and named != doc["step"]:
         raise CorruptCheckpointError(
@@ -144,62 +161,43 @@ def read(directory: Path) -> dict[str, Any]:
     return doc
 
 
+def _read_bounded(path: Path, directory: Path) -> bytes:
+    """The manifest's bytes, if it is a plain file no larger than its checkpoint can
+    need (judged before parsing: see ``MANIFEST_PER_FILE``)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise CorruptCheckpointError(f"{path} is a symbolic link; checkpoints never are") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{path} is not a regular file")
+        count, held = files.shard_budget(directory)
+        limit = _size_limit(count, held)
+        if st.st_size > limit:
+            raise CorruptCheckpointError(
+                f"{path} is {st.st_size} bytes, more than a checkpoint of {count} shard "
+                f"file(s) taking {held} bytes can need ({limit}); it was not parsed: the "
+                "checkpoint is damaged or hostile"
+            )
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{path} grew while it was read; it is damaged")
+    return data
+
+
+def require_native_byteorder(directory: Path, doc: dict[str, Any]) -> None:
+    """Raise unless the checkpoint's tensor bytes are in this machine's byte order."""
+    order = doc.get("byteorder", "little")
+    if order != sys.byteorder:
+        raise CheckpointError(
+            f"{directory} holds {order}-endian tensor bytes (written on a {order}-endian "
+            f"machine); this machine is {sys.byteorder}-endian and cannot read them as "
+            "they are: restore it on a machine of that byte order"
+        )
+
+
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name}")
-
-
-def _validate(path: Path, doc: dict[str, Any]) -> None:
-    def bad(why: str) -> CorruptCheckpointError:
-        return CorruptCheckpointError(f"{path}: {why}")
-
-    for field, kind in (("step", int), ("world_size", int), ("tensors", dict), ("files", dict),
-                        ("components", dict), ("lineage", list)):  # fmt: skip
-        if not isinstance(doc.get(field), kind):
-            raise bad(f"field {field!r} is missing or not a {kind.__name__}")
-    if doc["step"] < 0 or doc["world_size"] < 1:
-        raise bad("step or world_size out of range")
-    files = doc["files"]
-    for name, rec in files.items():
-        if not _SAFE_FILE.match(name) or name in (".", "..") or name == "manifest.json":
-            raise bad(f"unsafe file name {name!r}")
-        if not isinstance(rec, dict) or not _nonneg_int(rec.get("size")):
-            raise bad(f"file record of {name!r} is malformed")
-    for key, entry in doc["tensors"].items():
-        _validate_tensor(key, entry, files, bad)
-
-
-def _nonneg_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
-
-
-def _validate_tensor(key: str, entry: Any, files: dict, bad) -> None:
-    if not isinstance(entry, dict) or entry.get("dtype") not in DTYPES:
-        raise bad(f"tensor {key!r}: unknown dtype")
-    shape = entry.get("shape")
-    if not isinstance(shape, list) or not all(_nonneg_int(s) for s in shape):
-        raise bad(f"tensor {key!r}: malformed shape {shape!r}")
-    itemsize = torch.empty(0, dtype=DTYPES[entry["dtype"]]).element_size()
-    covered = 0
-    for c in entry.get("chunks", []):
-        offsets, sizes = c.get("offsets"), c.get("sizes")
-        if not (isinstance(offsets, list) and isinstance(sizes, list)) or not (
-            len(offsets) == len(sizes) == len(shape)
-        ):
-            raise bad(f"tensor {key!r}: malformed chunk")
-        if not all(_nonneg_int(v) for v in offsets + sizes) or any(
-            o + s > dim for o, s, dim in zip(offsets, sizes, shape, strict=True)
-        ):
-            raise bad(f"tensor {key!r}: a chunk lies outside shape {shape}")
-        length = math.prod(sizes) * itemsize
-        rec = files.get(c.get("file"))
-        if rec is None:
-            raise bad(f"tensor {key!r}: chunk in unlisted file {c.get('file')!r}")
-        if c.get("length") != length or not _nonneg_int(c.get("offset")):
-            raise bad(f"tensor {key!r}: chunk length does not match its shape")
-        if c["offset"] + length > rec["size"]:
-            raise bad(f"tensor {key!r}: chunk lies beyond the end of {c['file']}")
-        covered += math.prod(sizes)
-    if covered != math.prod(shape):
-        raise bad(f"tensor {key!r}: chunks cover {covered} of {math.prod(shape)} elements")
-    if "stride" in entry and not layout.valid_stride(shape, entry["stride"]):
-        raise bad(f"tensor {key!r}: stride {entry['stride']!r} does not lay out shape {shape}")

@@ -9,7 +9,7 @@ checksum is checked before its bytes are used.
 
 from __future__ import annotations
 
-import sys
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
@@ -18,7 +18,8 @@ import torch
 import xxhash
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from .manifest import DTYPES
+from . import files
+from .manifest import DTYPES, require_native_byteorder
 
 
 class TensorReader:
@@ -50,12 +51,7 @@ class TensorReader:
         self.doc = doc
         self.on_bytes = on_bytes
         self._files: dict[str, IO[bytes]] = {}
-        order = doc.get("byteorder", "little")
-        if order != sys.byteorder:
-            raise CheckpointError(
-                f"{self.folder} holds {order}-endian tensors; this machine is "
-                f"{sys.byteorder}-endian and cannot read them without conversion"
-            )
+        require_native_byteorder(self.folder, doc)
 
     def __enter__(self) -> TensorReader:
         return self
@@ -128,11 +124,17 @@ class TensorReader:
     def _open(self, path: Path, name: str) -> IO[bytes]:
         f = self._files.get(name)
         if f is None:
+            # The rules of restore (format/files.py): a plain file, never a link, of its
+            # recorded size, not sparse; checked before any memory is spent on its bytes.
+            record = self.doc["files"].get(name)
+            why = files.file_problem(path, record["size"]) if record else f"{path} is unlisted"
+            if why is not None:
+                raise CorruptCheckpointError(why)
             try:
-                f = open(path, "rb")  # noqa: SIM115 - kept open across reads, closed in close()
+                f = open(path, "rb", opener=_no_follow)  # noqa: SIM115 - closed in close()
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{path} is missing") from None
-            except OSError as exc:  # no permission: as unusable as missing
+            except OSError as exc:  # no permission, a link: as unusable as missing
                 raise CorruptCheckpointError(
                     f"{path} cannot be read ({exc.strerror or exc})"
                 ) from None
@@ -146,6 +148,10 @@ def _read_into(f: IO[bytes], offset: int, buf: memoryview, path: Path) -> int:
         return f.readinto(buf) or 0
     except OSError as exc:  # an I/O error: the file is as unusable as a missing one
         raise CorruptCheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
 
 
 def tensor_nbytes(entry: dict[str, Any]) -> int:

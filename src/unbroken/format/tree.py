@@ -17,16 +17,18 @@ versions decode as they always did.
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
 _TAG = "__ub__"
+TAG = _TAG
 # A defaultdict's factory is saved by name, and only these: anything else needs pickle.
-_FACTORIES: dict[str, type] = {
+FACTORIES: dict[str, type] = {
     t.__name__: t for t in (int, float, bool, str, list, dict, tuple, set, frozenset)
 }
 _MAPPING_TAGS: dict[type, str] = {
@@ -36,6 +38,18 @@ _MAPPING_TAGS: dict[type, str] = {
 }
 _MAPPING_TYPES = {tag: kind for kind, tag in _MAPPING_TAGS.items()}
 _SET_TAGS: dict[type, str] = {set: "set", frozenset: "frozenset"}
+# Each tag's fields, exactly (a field this version does not know could change the meaning):
+# what format/schema.py checks before anything is decoded.
+TAG_FIELDS: dict[str, set[str]] = {
+    **{t: {"items"} for t in ("tuple", "dict", "counter", "ordereddict", "set", "frozenset")},
+    "tensor": {"key"}, "float": {"repr"}, "defaultdict": {"factory", "items"},
+    "dtype": {"name"}, "ndarray": {"dtype", "shape", "data"}, "npscalar": {"dtype", "value"},
+}  # fmt: skip
+_NON_FINITE = ("nan", "inf", "-inf")
+_NP_DTYPE = re.compile(r"^[<>|=]([biuf]\d{1,2}|U\d{1,6}|[mM]8(\[\d*[a-zA-Z]{1,2}\])?)$")
+_MAX_NDIM = 64
+_NDARRAY_SLACK = 1 << 20  # bytes an ndarray may take beyond 64 per element of its data
+MAX_STATE_DEPTH = 60  # containers within containers; a manifest nests at most ~3x as deep
 
 
 def _escape(segment: str) -> str:
@@ -69,6 +83,9 @@ def _where(path: list) -> str:
 
 
 def _encode(value: Any, path: list, tensors: dict, key_for: Callable | None) -> Any:
+    if len(path) > MAX_STATE_DEPTH:  # deeper would be refused at restore (format/schema.py)
+        raise TypeError(f"cannot save {_where(path[:4])}/...: state nested deeper than "
+                        f"{MAX_STATE_DEPTH} levels; flatten it in state_dict()")  # fmt: skip
     if isinstance(value, torch.Tensor):
         key = key_for(path) if key_for is not None else join_key(*path)
         if key in tensors:
@@ -135,12 +152,12 @@ def _encode_mapping(value: Mapping, path: list, tensors: dict, key_for: Callable
 def _factory_name(factory: Any, path: list) -> str | None:
     if factory is None:
         return None
-    for name, kind in _FACTORIES.items():
+    for name, kind in FACTORIES.items():
         if factory is kind:
             return name
     raise TypeError(
         f"cannot save {_where(path)}: a defaultdict whose default_factory is {factory!r} "
-        f"(only None, {', '.join(_FACTORIES)} can be saved; anything else would need "
+        f"(only None, {', '.join(FACTORIES)} can be saved; anything else would need "
         "pickle). Return a plain dict from state_dict() (dict(d)) and rebuild the "
         "defaultdict in load_state_dict()"
     )
@@ -164,8 +181,18 @@ def _encode_key(key: Any, path: list) -> Any:
     )
 
 
+class SkeletonError(ValueError):
+    """A state skeleton that does not decode: damaged, hostile, or written by a newer
+    unbroken (a tag this version does not know). ``format.schema`` finds every one of them
+    in a manifest before anything is decoded."""
+
+
 def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`encode`: rebuild the value with tensors looked up by key."""
+    """Inverse of :func:`encode`: rebuild the value with tensors looked up by key.
+
+    Raises:
+        SkeletonError: a tag this version does not know, or a malformed tagged value.
+    """
     if isinstance(skeleton, list):
         return [decode(v, tensors) for v in skeleton]
     if not isinstance(skeleton, dict):
@@ -176,6 +203,8 @@ def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if tag == "tensor":
         return tensors[skeleton["key"]]
     if tag == "float":
+        if skeleton["repr"] not in _NON_FINITE:
+            raise SkeletonError(f"a tagged float must be one of {_NON_FINITE}")
         return float(skeleton["repr"])
     if tag == "dict" or tag in _MAPPING_TYPES:
         return _decode_mapping(skeleton, tag, tensors)
@@ -185,30 +214,130 @@ def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         members = (decode(m, {}) for m in skeleton["items"])
         return set(members) if tag == "set" else frozenset(members)
     if tag == "dtype":
-        dtype = getattr(torch, skeleton["name"], None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {skeleton['name']!r}")
+        dtype = _torch_dtypes().get(skeleton["name"])
+        if dtype is None:
+            raise SkeletonError(f"unknown dtype {skeleton['name']!r}")
         return dtype
     if tag == "ndarray":
-        data = decode(skeleton["data"], tensors)
-        return np.asarray(data, dtype=np.dtype(skeleton["dtype"])).reshape(skeleton["shape"])
+        return _decode_ndarray(skeleton)
     if tag == "npscalar":
-        return np.dtype(skeleton["dtype"]).type(decode(skeleton["value"], {}))
-    raise ValueError(f"unknown tag {tag!r} in checkpoint metadata")
+        return _np_dtype(skeleton["dtype"]).type(decode(skeleton["value"], {}))
+    raise SkeletonError(unknown_tag(tag))
+
+
+def unknown_tag(tag: Any) -> str:
+    """Why a tag this version does not know cannot be decoded."""
+    return (
+        f"unknown tag {tag!r}: the checkpoint may come from a newer unbroken (upgrade to "
+        "read it), or it is damaged"
+    )
+
+
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    # vars(), not getattr(): torch's module __getattr__ would import submodules by name.
+    return {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
+
+
+def _np_dtype(text: Any) -> np.dtype:
+    """A numpy dtype as :func:`encode` writes it (``dtype.str``), and only such: other
+    strings (sub-arrays, structures, objects) could allocate without bound or need pickle."""
+    if not isinstance(text, str) or not _NP_DTYPE.match(text):
+        raise SkeletonError(f"numpy dtype {text!r} is not one a checkpoint holds")
+    return np.dtype(text)
+
+
+def _decode_ndarray(skeleton: dict) -> np.ndarray:
+    dtype, shape, data = _np_dtype(skeleton["dtype"]), skeleton["shape"], skeleton["data"]
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= _MAX_NDIM
+        and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+        and isinstance(data, list)
+        and math.prod(shape) == len(data)
+    ):
+        raise SkeletonError(f"ndarray of shape {shape!r} does not hold its data")
+    if len(data) * dtype.itemsize > _NDARRAY_SLACK + 64 * len(data):
+        raise SkeletonError(f"ndarray of {len(data)} x {dtype} is far larger than its data")
+    return np.asarray(decode(data, {}), dtype=dtype).reshape(shape)
 
 
 def _decode_mapping(skeleton: dict, tag: str, tensors: Mapping[str, torch.Tensor]) -> Any:
     if tag == "defaultdict":
         name = skeleton["factory"]
-        if name is not None and name not in _FACTORIES:
-            raise ValueError(f"unknown defaultdict factory {name!r} in checkpoint metadata")
-        out: Any = defaultdict(None if name is None else _FACTORIES[name])
+        if name is not None and name not in FACTORIES:
+            raise SkeletonError(f"unknown defaultdict factory {name!r} in checkpoint metadata")
+        out: Any = defaultdict(None if name is None else FACTORIES[name])
     else:
         out = _MAPPING_TYPES.get(tag, dict)()
     for key, value in skeleton["items"]:
         # Keys are plain JSON scalars, or tagged tuples/floats/numpy scalars (never tensors).
         out[decode(key, {}) if isinstance(key, dict) else key] = decode(value, tensors)
     return out
+
+
+def check(node: Any, keys: Container[str] | None, where: str = "") -> None:
+    """Raise :class:`SkeletonError` (naming the path) unless :func:`decode` succeeds on
+    the skeleton ``node``: every tag known and well formed, every dict key and set member
+    hashable, every tensor reference a string (one of ``keys`` unless None). Nothing is
+    built but the small tagged leaves (floats, dtypes, numpy values)."""
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            check(v, keys, f"{where}/{i}")
+    elif isinstance(node, dict) and _TAG not in node:
+        for k, v in node.items():
+            check(v, keys, f"{where}/{k}")
+    elif isinstance(node, dict):
+        _tagged(node, keys, where)
+
+
+def _tagged(node: dict, keys: Container[str] | None, where: str) -> None:
+    tag = node[_TAG]
+    fields = TAG_FIELDS.get(tag) if isinstance(tag, str) else None
+    if fields is None:
+        raise SkeletonError(f"{where or '/'}: {unknown_tag(tag)}")
+    if set(node) != {_TAG, *fields}:
+        raise SkeletonError(f"{where}: a {tag!r} tag has the fields {sorted(fields)}, "
+                            f"not {sorted(node)}")  # fmt: skip
+    if tag == "tensor":
+        if not isinstance(node["key"], str) or (keys is not None and node["key"] not in keys):
+            raise SkeletonError(f"{where}: references tensor {repr(node['key'])[:80]}, "
+                                "which the manifest does not list")  # fmt: skip
+    elif tag in ("float", "dtype", "ndarray", "npscalar"):  # small leaves: decoded for real
+        try:
+            decode(node, {})
+        except (ValueError, TypeError, OverflowError, KeyError) as exc:
+            raise SkeletonError(f"{where}: malformed {tag!r} ({exc})") from None
+    elif not isinstance(node["items"], list):
+        raise SkeletonError(f"{where}: the items of a {tag!r} are not a list")
+    elif tag == "defaultdict" and node["factory"] not in (None, *FACTORIES):
+        raise SkeletonError(f"{where}: unknown defaultdict factory {node['factory']!r}")
+    else:
+        for i, item in enumerate(node["items"]):
+            if tag == "tuple":
+                check(item, keys, f"{where}/{i}")
+            elif tag in ("set", "frozenset"):
+                _key(item, f"{where}/{i}", "set member")
+            elif isinstance(item, list) and len(item) == 2:
+                _key(item[0], f"{where}/{i}", "dict key")
+                check(item[1], keys, f"{where}/{i}")
+            else:
+                raise SkeletonError(f"{where}: the items of a {tag!r} are not pairs")
+
+
+def _key(key: Any, where: str, what: str) -> None:
+    """A dict key or set member that decodes to a hashable value."""
+    if key is None or isinstance(key, str | int | float):
+        return
+    tag = key.get(_TAG) if isinstance(key, dict) else None
+    if tag in ("float", "npscalar"):
+        return _tagged(key, (), where)
+    items = key.get("items") if tag in ("tuple", "frozenset") and len(key) == 2 else None
+    if isinstance(items, list):
+        for i, k in enumerate(items):
+            _key(k, f"{where}/{i}", what)
+        return
+    raise SkeletonError(f"{where}: a {what} must be a scalar or a tagged tuple, "
+                        f"frozenset, float or numpy scalar, not {repr(key)[:80]}")  # fmt: skip
 
 
 def difference(saved: Any, live: Any, path: str) -> str | None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import IncompleteCheckpointError, StateMismatchError
+from ..errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
 from .fsdp1 import FSDP1Optimizer
 from .state import Component, ModelComponent, _listing, _named, empty_target
 
@@ -181,6 +181,7 @@ class OptimizerComponent(Component):
                 self._install_one(name, opt, saved)
 
     def _install_one(self, name: str | None, opt: torch.optim.Optimizer, saved: dict) -> None:
+        where = self._where(name)
         live_groups = self._group_fqns(name, opt)
         index = {fqn: i for i, fqn in enumerate(f for names in live_groups for f in names)}
         groups = []
@@ -190,9 +191,17 @@ class OptimizerComponent(Component):
             groups.append(entry)
         state: dict[Any, Any] = {index[fqn]: dict(v) for fqn, v in saved["state"].items()}
         other = saved.get(NON_PARAM_STATE, {})
+        if not isinstance(other, Mapping):
+            raise CorruptCheckpointError(f"{where}: the saved {NON_PARAM_STATE!r} is no mapping")
         state.update(other)
         extras = {k: v for k, v in saved.items() if k not in (*_STANDARD, NON_PARAM_STATE)}
-        opt.load_state_dict({"state": state, "param_groups": groups, **extras})
+        try:
+            opt.load_state_dict({"state": state, "param_groups": groups, **extras})
+        except Exception as exc:  # torch's own checks of what it is given
+            raise StateMismatchError(
+                f"{where}.load_state_dict refused the saved state ({type(exc).__name__}: "
+                f"{exc}); it does not fit this optimizer"
+            ) from exc
         # torch's load_state_dict casts floating state, nested lists and dicts included, to
         # each parameter's dtype (fp32 moments of a bf16 parameter become bf16): put back
         # exactly what was saved.

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..errors import CorruptCheckpointError
+
 
 class RNGState:
     """The ``rng`` component: a ``Stateful`` view of this process's generators."""
@@ -37,13 +39,35 @@ class RNGState:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        py = state["python"]
-        random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
-        npy = state["numpy"]
-        keys = npy["keys"].numpy().view(np.uint32)
-        np.random.set_state(
-            (npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
-        )
+        """Set every generator, or none: a malformed state (a damaged or hostile manifest)
+        is refused before any generator changes.
+
+        Raises:
+            CorruptCheckpointError: the state is not one :meth:`state_dict` returns.
+        """
+        try:
+            py = state["python"]
+            python = (py["version"], tuple(py["state"]), py["gauss_next"])
+            random.Random().setstate(python)  # each is tried on a throwaway generator first
+            npy = state["numpy"]
+            keys = npy["keys"].numpy().view(np.uint32)
+            legacy = (npy["kind"], keys, npy["pos"], npy["has_gauss"], npy["cached_gaussian"])
+            np.random.RandomState().set_state(legacy)
+            torch.Generator().set_state(state["torch"])
+        except (
+            LookupError,
+            TypeError,
+            ValueError,
+            ArithmeticError,
+            AttributeError,
+            RuntimeError,
+        ) as exc:
+            raise CorruptCheckpointError(
+                f"the saved rng state is malformed ({type(exc).__name__}: {exc}); the "
+                "checkpoint is damaged"
+            ) from None
+        random.setstate(python)
+        np.random.set_state(legacy)
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
             cuda_states = state["cuda"]

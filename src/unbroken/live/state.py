@@ -212,9 +212,17 @@ class ModelComponent(Component):
         options = StateDictOptions(strict=True)
         for name, module in self.models.items():
             part = state if name is None else state[name]
-            if part:  # an empty part has no live tensors either (checked by targets())
+            if not part:  # an empty part has no live tensors either (checked by targets())
+                continue
+            try:
                 with self._state_context(name):
                     set_model_state_dict(module, part, options=options)
+            except Exception as exc:  # torch's strict checks of the non-tensor entries
+                label = "model" if name is None else f"model[{name!r}]"
+                raise StateMismatchError(
+                    f"{label} refused the saved state ({type(exc).__name__}: {exc}); it does "
+                    "not fit this model"
+                ) from exc
 
 
 _GET_OPTIONS = StateDictOptions(strict=False)

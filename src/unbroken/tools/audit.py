@@ -15,8 +15,6 @@ damaged: its report says ``vanished`` instead, and the caller lists the steps ag
 from __future__ import annotations
 
 import dataclasses
-import os
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ from typing import Any
 import xxhash
 
 from ..errors import CheckpointError
-from ..format import filesystem, fingerprint, manifest, tree
+from ..format import files, filesystem, fingerprint, manifest, tree
 from ..format.storage import MANIFEST, folder_step
 from ..format.tensor_reader import TensorReader
 from .coverage import optimizer_coverage
@@ -93,6 +91,11 @@ def _audit(folder: Path, report: AuditReport, on_bytes: Callable[[int], None] | 
         report.fail(MANIFEST, str(exc))
         return
     report.step = doc["step"]
+    try:
+        manifest.require_native_byteorder(folder, doc)
+    except CheckpointError as exc:
+        report.fail(MANIFEST, str(exc))
+        return report
     absent = _check_files(folder, doc, report)
     _check_chunk_records(doc, report)
     _check_references(doc, report)
@@ -141,35 +144,13 @@ def _audit(folder: Path, report: AuditReport, on_bytes: Callable[[int], None] | 
 
 
 def _check_files(folder: Path, doc: dict[str, Any], report: AuditReport) -> set[str]:
-    absent = set()
-    for name, rec in sorted(doc["files"].items()):
-        path = folder / name
-        report.files_checked += 1
-        try:
-            st = os.stat(path)
-        except OSError as exc:
-            st = None
-            if not isinstance(exc, FileNotFoundError | NotADirectoryError):
-                report.fail(name, f"{path} cannot be read ({exc.strerror or exc})")
-                absent.add(name)
-                continue
-        if st is None or not stat.S_ISREG(st.st_mode):
-            report.fail(name, f"{path} is missing")
-            absent.add(name)
-        elif st.st_size != rec["size"]:
-            report.fail(
-                name,
-                f"{path} is {st.st_size} bytes, the manifest says {rec['size']}: "
-                "it was truncated or altered",
-            )
-    try:
-        present = set(os.listdir(folder))
-    except OSError as exc:
-        report.fail(folder.name, f"{folder} cannot be listed ({exc.strerror or exc})")
-        present = set()
-    for name in sorted(present - set(doc["files"]) - {MANIFEST}):
-        report.fail(name, f"{folder / name} is not listed in the manifest")
-    return absent
+    """The rules restore applies (format/files.py); returns the files not to read."""
+    report.files_checked += len(doc["files"])
+    unread = set()
+    for name, message in files.problems(folder, doc["files"]):
+        report.fail(name, message)
+        unread.add(name)
+    return unread
 
 
 def _check_chunk_records(doc: dict[str, Any], report: AuditReport) -> None:

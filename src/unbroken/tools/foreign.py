@@ -1,10 +1,13 @@
 """Read checkpoints written by other code: ``torch.save`` files and DCP directories.
 
-Both formats can hold pickles (a ``torch.save`` file is a zip of pickles; DCP's
-``.metadata`` file is one), so only trusted files may be read here. ``torch.save`` files
-are loaded with ``torch.load(weights_only=True)``, which refuses arbitrary objects, and
-non-tensor DCP entries likewise; DCP's own ``.metadata`` can only be read by unpickling.
-Our own checkpoints never come through this module.
+Both formats are pickles underneath (a ``torch.save`` file is a zip of pickles; DCP's
+``.metadata`` file is one, and DCP stores each non-tensor value as a ``torch.save``
+pickle), and unpickling a crafted file runs code. So ``torch.save`` files and DCP
+entries are loaded with ``torch.load(weights_only=True)``, which refuses arbitrary
+objects, and DCP's ``.metadata`` with an unpickler that knows only the classes of DCP
+metadata (:mod:`unbroken.tools.dcp_metadata`); what they refuse is a
+``CorruptCheckpointError`` naming the file or entry. ``trust_pickle=True`` lifts both (plain
+pickle: only for files you trust). Our own checkpoints never come through this module.
 
 The result is a :class:`ForeignState`: the source's model tensors and optimizer state in
 a neutral form, every entry that could not be placed listed in ``unmapped``.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import numbers
 import pickle
 import warnings
 from collections.abc import Iterable
@@ -22,11 +26,14 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
+from ..core.saving import unwrap
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from . import dcp_metadata
 
 _KNOWN_TOP = ("model", "optimizer", "scheduler", "step")
 
@@ -56,34 +63,39 @@ def is_dcp(path: Path) -> bool:
 
 
 def read(
-    path: str | Path, *, model_fqns: Iterable[str], ignore: Iterable[str] = ()
+    path: str | Path,
+    *,
+    model_fqns: Iterable[str],
+    ignore: Iterable[str] = (),
+    trust_pickle: bool = False,
 ) -> ForeignState:
     """Read ``path`` (a ``torch.save`` file or a DCP directory).
 
     ``model_fqns`` are the live model's normalized FQNs (DCP keys are parsed against
     them, since FQNs contain dots). Top-level entries named in ``ignore`` are skipped.
+    ``trust_pickle`` unpickles everything with plain pickle, which can run code.
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path} does not exist")
     if is_dcp(path):
-        return read_dcp(path, set(model_fqns), set(ignore))
+        return read_dcp(path, set(model_fqns), set(ignore), trust_pickle=trust_pickle)
     if path.is_file():
-        return read_torch_save(path, set(ignore))
+        return read_torch_save(path, set(ignore), trust_pickle=trust_pickle)
     raise CheckpointNotFoundError(
         f"{path} is neither a torch.save file nor a torch.distributed.checkpoint "
         "directory (one with a .metadata file)"
     )
 
 
-def read_torch_save(path: Path, ignore: set[str]) -> ForeignState:
+def read_torch_save(path: Path, ignore: set[str], *, trust_pickle: bool = False) -> ForeignState:
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        obj = torch.load(path, map_location="cpu", weights_only=not trust_pickle)
+    except Exception as exc:
         raise CorruptCheckpointError(
-            f"{path} cannot be loaded with torch.load(weights_only=True): {first}. Only "
-            "tensors, containers and plain values are accepted"
+            f"{path} cannot be loaded with torch.load(weights_only={not trust_pickle}): "
+            f"{_first_line(exc)}. Only tensors, containers and plain values are accepted"
+            + ("" if trust_pickle else f". {dcp_metadata.TRUST}")
         ) from None
     if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
         obj = {"model": obj}  # a bare model state_dict
@@ -116,12 +128,11 @@ def read_torch_save(path: Path, ignore: set[str]) -> ForeignState:
     )
 
 
-def read_dcp(path: Path, model_fqns: set[str], ignore: set[str]) -> ForeignState:
-    reader = dcp.FileSystemReader(str(path))
-    try:
-        md = reader.read_metadata()  # unpickles .metadata: the source must be trusted
-    except Exception as exc:
-        raise CorruptCheckpointError(f"{path}/.metadata cannot be read: {exc}") from None
+def read_dcp(
+    path: Path, model_fqns: set[str], ignore: set[str], *, trust_pickle: bool = False
+) -> ForeignState:
+    md = dcp_metadata.read(path, trust_pickle=trust_pickle)
+    reader = dcp_metadata.SafeReader(path, md)
     paths = md.planner_data or {}
     state = ForeignState(source=str(path), kind="dcp", model={}, optimizer_keyed_by="fqn")
     targets: dict[str, Any] = {}
@@ -139,9 +150,16 @@ def read_dcp(path: Path, model_fqns: set[str], ignore: set[str]) -> ForeignState
             targets[key] = None
         else:
             targets[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(targets, storage_reader=reader, planner=_SafeBytesPlanner(), no_dist=True)
+    planner = _SafeBytesPlanner(path, trust_pickle)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(targets, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as exc:
+        inner = unwrap(exc, f"reading {path}")
+        if isinstance(inner, CorruptCheckpointError) or not isinstance(inner, Exception):
+            raise inner from None  # ours, naming the entry; or an interrupt, unchanged
+        raise CorruptCheckpointError(f"{path}: {inner}") from None
     _assemble(state, targets, where)
     return state
 
@@ -185,8 +203,8 @@ def _assemble(state: ForeignState, values: dict[str, Any], where: dict[str, tupl
             hyper.setdefault(place[1], {})[place[2]] = value
         elif place[0] == "group":
             groups.setdefault(int(place[1]), {})[place[2]] = value
-        elif isinstance(value, int) and not isinstance(value, bool):
-            state.step = value
+        elif isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            state.step = int(value)  # a NumPy integer too (read with trust_pickle)
         elif (
             isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point()
         ):
@@ -202,17 +220,27 @@ def _assemble(state: ForeignState, values: dict[str, Any], where: dict[str, tupl
 
 
 class _SafeBytesPlanner(DefaultLoadPlanner):
-    """Non-tensor entries are loaded with ``weights_only=True``: no arbitrary objects."""
+    """Non-tensor entries are loaded with ``weights_only=True``: no arbitrary objects
+    (unless ``trust_pickle``); one that cannot be loaded is an error naming it."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: Path, trust_pickle: bool) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.folder, self.trust_pickle = folder, trust_pickle
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
         try:
-            loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as exc:
+            loaded = torch.load(value, weights_only=not self.trust_pickle)
+        except Exception as exc:
+            refused = isinstance(exc, pickle.UnpicklingError) and not self.trust_pickle
             raise CorruptCheckpointError(
-                f"DCP entry {read_item.dest_index.fqn!r} holds an object that "
-                f"torch.load(weights_only=True) refuses: {str(exc).splitlines()[0]}"
+                f"{self.folder}: DCP entry {fqn!r} cannot be loaded with torch.load("
+                f"weights_only={not self.trust_pickle}): {_first_line(exc)}"
+                + (f". {dcp_metadata.TRUST}" if refused else "")
             ) from None
-        self.state_dict[read_item.dest_index.fqn] = loaded
+        self.state_dict[fqn] = loaded
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

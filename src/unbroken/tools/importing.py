@@ -107,20 +107,26 @@ def import_checkpoint(
     *,
     step: int | None = None,
     ignore: Iterable[str] = (),
+    trust_pickle: bool = False,
 ) -> ImportResult:
     """Convert ``source`` into a committed unbroken checkpoint in run folder ``dest``.
 
     Args:
         source: a ``torch.save`` file ``{"model", "optimizer"?, "scheduler"?, "step"?}``
-            or a ``torch.distributed.checkpoint`` directory. It may contain pickles:
-            only import files you trust.
+            or a ``torch.distributed.checkpoint`` directory. Its pickles are read safely:
+            tensors, containers and plain values only (``torch.load(weights_only=True)``;
+            DCP's ``.metadata`` through an unpickler that knows only its classes).
         dest: the run folder to save into (it must not hold this step already).
         model: the live model to load into (from the factory, see :func:`build`).
         optimizer: the live optimizer, or None to build an AdamW from the imported
             param groups.
         step: the step to save as (default: the step recorded in the source).
         ignore: top-level source entries to leave out on purpose.
+        trust_pickle: read ``source`` with plain pickle instead, for what the safe
+            readers refuse. It can run code: only for files you trust.
     Raises:
+        CorruptCheckpointError: ``source`` holds something the safe readers refuse
+            (naming the file or entry), or is damaged.
         StateMismatchError: an entry fits no parameter, or shapes/dtypes/counts differ.
         IncompleteCheckpointError: the source lacks a tensor the model has.
         ValueError: no step known, or ``dest`` already holds it.
@@ -135,7 +141,7 @@ def import_checkpoint(
     fqn_of = model_c.parameter_fqns()
     params = {fqn: p for p, fqn in fqn_of.items()}
     live = get_model_state_dict(model)
-    state = foreign.read(source, model_fqns=live.keys(), ignore=ignored)
+    state = foreign.read(source, model_fqns=live.keys(), ignore=ignored, trust_pickle=trust_pickle)
     if state.unmapped:
         raise StateMismatchError(
             f"{source}: entries that fit no model tensor, optimizer state or step: "

@@ -188,7 +188,9 @@ def model_fqns(doc: dict[str, Any]) -> dict[str, str]:
     if "model" not in doc["components"]:
         return {}
     keys = tree.tensor_keys(doc["components"]["model"].get("state"))
-    return {".".join(unescape(s) for s in key.split("/")[1:]): key for key in keys}
+    # A reference to an unlisted tensor is damage that `unbroken verify` names.
+    listed = [key for key in keys if key in doc["tensors"]]
+    return {".".join(unescape(s) for s in key.split("/")[1:]): key for key in listed}
 
 
 @dataclasses.dataclass
