@@ -54,13 +54,18 @@ class Checkpointer:
             buffers (one extra copy of the state in memory); writing, fingerprinting and
             the commit run in a background thread. One save is in flight at a time: the
             next ``save()``, ``restore()`` or ``close()`` waits for it and raises its error.
+        loss_metric: the name under which :meth:`track` receives the training loss; the
+            post-resume health check watches it (docs/health-check.md). Default ``"loss"``.
+        grad_norm_metric: the tracked gradient norm's name, or None if none is tracked
+            (the check then judges the loss alone). Default ``"grad_norm"``.
 
     Example::
 
-        ckpt = ub.Checkpointer("ckpts/run1", model=model, optimizer=opt)
+        ckpt = ub.Checkpointer("ckpts/run1", model=model, optimizer=opt,
+                               loss_metric="train/loss", grad_norm_metric=None)
         report = ckpt.restore()
         for step in range(report.step, total):
-            ...
+            ckpt.track(step + 1, **{"train/loss": loss})
             ckpt.save(step + 1)
         ckpt.close()
     """
@@ -77,7 +82,10 @@ class Checkpointer:
         probe: probe.Probe | None = None,
         keep_last: int | None = 3,
         async_save: bool = False,
+        loss_metric: str = "loss",
+        grad_norm_metric: str | None = "grad_norm",
     ) -> None:
+        _check_metric_names(loss_metric, grad_norm_metric)
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
         if probe is not None and not callable(probe):
@@ -91,6 +99,7 @@ class Checkpointer:
             {"event": "start", "time": time.time(), "world_size": collective.world_size()}
         ]
         self._metrics = MetricLog()
+        self._metric_names = (loss_metric, grad_norm_metric)
         self._health: HealthCheck | None = None
         self._stop = StopPolicy(agree=collective.any_rank)
         self._closed = False
@@ -237,17 +246,37 @@ class Checkpointer:
             },
         ]
         self._metrics.load_window(doc.get("metrics", []), resumed_from=chosen)
-        self._health = HealthCheck(self._metrics.values, chosen)
+        if self._health is not None:
+            self._health.close()
+        self._health = self._health_check(report, chosen)
         if collective.rank() == 0:
             logger.info("%s", report)
         return report
+
+    def _health_check(self, report: RestoreReport, resumed_from: int) -> HealthCheck:
+        """The post-resume check: the tracked metrics, and the optimizers just restored."""
+        optimizers = {
+            name: opt
+            for c in self._components
+            if isinstance(c, OptimizerComponent) and report.components.get(c.name) == "restored"
+            for name, opt in c.optimizers.items()
+        }
+        loss, grad_norm = self._metric_names
+        return HealthCheck(
+            self._metrics.values,
+            resumed_from,
+            loss=loss,
+            grad_norm=grad_norm,
+            optimizers=optimizers,
+        )
 
     def track(self, step: int, **metrics: float | torch.Tensor) -> None:
         """Record scalar metrics of ``step`` (floats or 0-d tensors).
 
         The last steps go into each checkpoint's manifest, the whole series into
-        ``metrics.jsonl`` (see :func:`unbroken.proof.metrics.read_series`); after a resume they
-        feed the health check, whose findings are logged and kept in :attr:`warnings`.
+        ``metrics.jsonl`` (see :func:`unbroken.proof.metrics.read_series`); after a resume the
+        ones named ``loss_metric`` and ``grad_norm_metric`` feed the health check, whose
+        finding (at most one per resume) is logged and kept in :attr:`warnings`.
         """
         self._metrics.track(step, metrics)
         if self._health is not None:
@@ -269,6 +298,8 @@ class Checkpointer:
             return
         self._closed = True
         try:
+            if self._health is not None:
+                self._health.close()
             self.wait()
             self._flush_metrics()
         finally:
@@ -304,3 +335,17 @@ class Checkpointer:
                 self._dir.remove(s)
 
         collective.agree(prune, only_rank0=True)
+
+
+def _check_metric_names(loss_metric: object, grad_norm_metric: object) -> None:
+    """The names the health check reads: strings, non-empty, different."""
+    for arg, name in (("loss_metric", loss_metric), ("grad_norm_metric", grad_norm_metric)):
+        if name is None and arg == "grad_norm_metric":
+            continue
+        if not isinstance(name, str):
+            allowed = "a str or None" if arg == "grad_norm_metric" else "a str"
+            raise TypeError(f"{arg} must be {allowed}, got {type(name).__name__}")
+        if not name:
+            raise ValueError(f"{arg} must be a non-empty metric name, got ''")
+    if grad_norm_metric == loss_metric:
+        raise ValueError(f"loss_metric and grad_norm_metric must differ, both are {loss_metric!r}")
