@@ -36,9 +36,10 @@ clean:
 bench: $(STAMP)
 	$(PY) benchmarks/save_restore.py --write-docs
 
-# Health-check rates (about 5-10 minutes on 2 cores): trains three small scripts, measures
-# false alarms on exact resumes and catches on buggy ones, prints the tables and
-# regenerates docs/health-check.md. A smoke test: $(PY) benchmarks/health_check.py --quick
+# Health-check rates (about 5 minutes on 2 idle cores, 10-16 when they are shared): trains
+# three small scripts, measures false alarms on exact resumes and catches on buggy ones,
+# prints the tables and regenerates docs/health-check.md.
+# A smoke test: $(PY) benchmarks/health_check.py --quick
 .PHONY: health-check
 health-check: $(STAMP)
 	$(PY) benchmarks/health_check.py --write-docs
