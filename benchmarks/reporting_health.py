@@ -331,8 +331,8 @@ differences over the 50 steps before K, divided by sqrt(2)):
 - **A lost RNG or data position** changes which dropout masks or batches come next,
   not how training behaves on average: the series after the resume look like
   continuations. The rates above are what the metric check caught; treat the check as
-  blind to these bugs. `unbroken resume-test` catches them (it compares with a straight
-  run bit for bit), as do restored-state checks on the dataloader and RNG.
+  blind to these bugs. `unbroken resume-test` catches them: it compares with a straight
+  run bit for bit.
 - **False alarms**: {fa} of exact resumes, every cut point of every straight run;
   the riskiest resumes are early ones, where the window is short and training still
   changes fast. A resume with fewer than {MIN_BEFORE} tracked steps before it is not
