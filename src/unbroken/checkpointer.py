@@ -21,9 +21,10 @@ from .errors import CheckpointError
 from .format.storage import CheckpointDir
 from .live import probe
 from .live.components import as_step, build_components
+from .live.optimizer import OptimizerComponent
 from .live.stopping import StopPolicy
 from .proof.metrics import MetricLog
-from .proof.monitor import HealthCheck
+from .proof.monitor import HealthCheck, check_metric_names
 from .proof.replay_check import ReplayCheck, ReplayVerdict
 from .report import RestoreReport
 
@@ -61,13 +62,18 @@ class Checkpointer:
             replaces: ``restore()`` ignores them and the first save retires them (kept
             aside as ``.retired-step_*``, nothing deleted). Without it, saving into a
             folder holding another run's checkpoints without restoring raises.
+        loss_metric: the name under which :meth:`track` receives the training loss; the
+            post-resume health check watches it (docs/health-check.md). Default ``"loss"``.
+        grad_norm_metric: the tracked gradient norm's name, or None if none is tracked
+            (the check then judges the loss alone). Default ``"grad_norm"``.
 
     Example::
 
-        ckpt = ub.Checkpointer("ckpts/run1", model=model, optimizer=opt)
+        ckpt = ub.Checkpointer("ckpts/run1", model=model, optimizer=opt,
+                               loss_metric="train/loss", grad_norm_metric=None)
         report = ckpt.restore()
         for step in range(report.step, total):
-            ...
+            ckpt.track(step + 1, **{"train/loss": loss})
             ckpt.save(step + 1)
         ckpt.close()
     """
@@ -85,7 +91,10 @@ class Checkpointer:
         keep_last: int | None = 3,
         async_save: bool = False,
         overwrite: bool = False,
+        loss_metric: str = "loss",
+        grad_norm_metric: str | None = "grad_norm",
     ) -> None:
+        check_metric_names(loss_metric, grad_norm_metric)
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
         if probe is not None and not callable(probe):
@@ -116,6 +125,7 @@ class Checkpointer:
         if self._overwrite:
             self._fork = -1  # the first save retires every step committed before it
         self._replay: ReplayCheck | None = None
+        self._metric_names = (loss_metric, grad_norm_metric)
         self._health: HealthCheck | None = None
         self._stop = StopPolicy(agree=collective.any_rank)
         self._closed = False
@@ -256,17 +266,37 @@ class Checkpointer:
         ]
         self._fork = chosen  # newer committed steps are retired by the first save
         self._start_replay(chosen, saved_by, world, sorted(reset_set))
-        self._health = HealthCheck(self._metrics.values, chosen)
+        if self._health is not None:
+            self._health.close()
+        self._health = self._health_check(report, chosen)
         if collective.rank() == 0:
             logger.info("%s", report)
         return report
+
+    def _health_check(self, report: RestoreReport, resumed_from: int) -> HealthCheck:
+        """The post-resume check: the tracked metrics, and the optimizers just restored."""
+        optimizers = {
+            name: opt
+            for c in self._components
+            if isinstance(c, OptimizerComponent) and report.components.get(c.name) == "restored"
+            for name, opt in c.optimizers.items()
+        }
+        loss, grad_norm = self._metric_names
+        return HealthCheck(
+            self._metrics.values,
+            resumed_from,
+            loss=loss,
+            grad_norm=grad_norm,
+            optimizers=optimizers,
+        )
 
     def track(self, step: int, **metrics: float | torch.Tensor) -> None:
         """Record scalar metrics of ``step`` (floats or 0-d tensors).
 
         The last steps go into each checkpoint's manifest, the whole series into
-        ``metrics.jsonl`` (see :func:`unbroken.proof.metrics.read_series`); after a resume they
-        feed the health check, whose findings are logged and kept in :attr:`warnings`.
+        ``metrics.jsonl`` (see :func:`unbroken.proof.metrics.read_series`); after a resume the
+        ones named ``loss_metric`` and ``grad_norm_metric`` feed the health check, whose
+        finding (at most one per resume) is logged and kept in :attr:`warnings`.
         """
         step = as_step(step)
         self._metrics.track(step, metrics)
@@ -303,6 +333,8 @@ class Checkpointer:
             return
         self._closed = True
         try:
+            if self._health is not None:
+                self._health.close()
             self.wait()
             if self._replay is not None:
                 self._replay_decided(self._replay.finish())

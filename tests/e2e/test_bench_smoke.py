@@ -21,3 +21,14 @@ def test_benchmark_quick_smoke(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "(d) ours: save (sync, verified)" in done.stdout
     assert "(d) ours: restore, fresh objects" in done.stdout
+
+
+def test_health_check_benchmark_quick_smoke():
+    """benchmarks/health_check.py --quick still measures and prints its tables."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH.with_name("health_check.py")), "--quick", "--scripts", "mlp"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "metric check: alarms / cut points" in done.stdout
+    assert "full check via Checkpointer: caught" in done.stdout

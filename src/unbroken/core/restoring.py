@@ -287,7 +287,8 @@ def _check_probe(
             raise StateMismatchError(
                 f"the probe differs after restore: saved {probe.describe(expected)}, now "
                 f"{probe.describe(value)}. The weights the forward pass uses are not the "
-                "ones saved (late installation, DESIGN.md F4)"
+                "ones saved: something installs them late (after the first step, say); see the "
+                "probe in the README"
             )
 
     collective.agree(compare)
