@@ -114,6 +114,20 @@ def full_state(model, opt, *, cpu_offload: bool = True) -> dict:
     return copy.deepcopy({"model": msd, "optimizer": osd.get("state", {})})
 
 
+def assert_same_full_state(got: dict, want: dict) -> None:
+    """Two :func:`full_state` results equal bit for bit, dtypes and keys included."""
+    assert got["model"].keys() == want["model"].keys()
+    for fqn, t in want["model"].items():
+        assert got["model"][fqn].dtype == t.dtype, fqn
+        assert torch.equal(got["model"][fqn], t), fqn
+    assert got["optimizer"].keys() == want["optimizer"].keys()
+    for fqn, entries in want["optimizer"].items():
+        assert got["optimizer"][fqn].keys() == entries.keys(), fqn
+        for name, t in entries.items():
+            assert got["optimizer"][fqn][name].dtype == t.dtype, (fqn, name)
+            assert torch.equal(got["optimizer"][fqn][name], t), (fqn, name)
+
+
 def save_trained_fsdp(rank: int, world: int, path: str) -> dict | None:
     """Worker: FSDP2 on ``world`` ranks, 3 steps, saved as step 3; rank 0 returns the
     full (gathered) state to compare against."""

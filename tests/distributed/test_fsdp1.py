@@ -127,19 +127,6 @@ def _torch_load(model, opt, full: dict) -> None:
     )
 
 
-def _assert_same(got: dict, want: dict) -> None:
-    assert got["model"].keys() == want["model"].keys()
-    for fqn, t in want["model"].items():
-        assert got["model"][fqn].dtype == t.dtype, fqn
-        assert torch.equal(got["model"][fqn], t), fqn
-    assert got["optimizer"].keys() == want["optimizer"].keys()
-    for fqn, entries in want["optimizer"].items():
-        assert got["optimizer"][fqn].keys() == entries.keys(), fqn
-        for name, t in entries.items():
-            assert got["optimizer"][fqn][name].dtype == t.dtype, (fqn, name)
-            assert torch.equal(got["optimizer"][fqn][name], t), (fqn, name)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> tuple[str, dict]:
     root = str(tmp_path_factory.mktemp("fsdp1"))
@@ -170,8 +157,8 @@ def test_two_ranks_restore_then_step_matches_uninterrupted(saved, on_two, case):
     result = on_two[case]
     assert result["report"].verified and not result["report"].resharded
     assert result["report"].components["optimizer"] == "restored"
-    _assert_same(result["restored"], states[source]["want"])
-    _assert_same(result["stepped"], states[source]["ref"])
+    models.assert_same_full_state(result["restored"], states[source]["want"])
+    models.assert_same_full_state(result["stepped"], states[source]["ref"])
 
 
 @pytest.mark.parametrize("source", sorted(ON_THREE))
@@ -183,8 +170,8 @@ def test_two_ranks_to_three_fsdp1_ranks(saved, on_three, source):
     report = result["report"]
     assert report.verified and report.resharded
     assert (report.saved_world_size, report.world_size) == (2, 3)
-    _assert_same(result["restored"], states[source]["want"])
-    _assert_same(result["stepped"], result["ref"])
+    models.assert_same_full_state(result["restored"], states[source]["want"])
+    models.assert_same_full_state(result["stepped"], result["ref"])
 
 
 @pytest.mark.parametrize("source", ["flat", "orig"])
@@ -203,7 +190,7 @@ def test_two_ranks_to_one_plain_process(saved, source):
         "model": model.state_dict(),
         "optimizer": {n: opt.state[p] for n, p in zip(names, model.parameters(), strict=True)},
     }
-    _assert_same(got, want)
+    models.assert_same_full_state(got, want)
 
     ref_model, ref_opt = models.build(seed=7)
     ref_model.load_state_dict(want["model"])
@@ -242,7 +229,7 @@ def test_bf16_mixed_precision_keeps_fp32_master_state(saved, on_two):
     assert set(dtypes.values()) == {"float32"}
     for fqn, t in on_two["bf16"]["restored"]["model"].items():
         assert t.dtype == torch.float32, fqn
-    _assert_same(on_two["bf16"]["restored"], states["bf16"]["want"])
+    models.assert_same_full_state(on_two["bf16"]["restored"], states["bf16"]["want"])
 
 
 # --- the private torch behaviours unbroken.live.torch_compat relies on --------------------

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from . import launcher, models
 
@@ -25,19 +24,6 @@ def _restore_on_fsdp(rank: int, world: int, path: str) -> dict:
     return {"report": report, "full": full if rank == 0 else None}
 
 
-def _assert_identical(got: dict, want: dict) -> None:
-    assert got["model"].keys() == want["model"].keys()
-    for fqn, t in want["model"].items():
-        assert got["model"][fqn].dtype == t.dtype, fqn
-        assert torch.equal(got["model"][fqn], t), fqn
-    assert got["optimizer"].keys() == want["optimizer"].keys()
-    for fqn, entries in want["optimizer"].items():
-        assert got["optimizer"][fqn].keys() == entries.keys(), fqn
-        for name, t in entries.items():
-            assert got["optimizer"][fqn][name].dtype == t.dtype, (fqn, name)
-            assert torch.equal(got["optimizer"][fqn][name], t), (fqn, name)
-
-
 @pytest.fixture(scope="module")
 def saved_on_two(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("fsdp2") / "ckpt")
@@ -52,7 +38,7 @@ def test_two_ranks_to_three(saved_on_two):
         assert r["report"].resharded and r["report"].verified
         assert r["report"].saved_world_size == 2 and r["report"].world_size == 3
         assert r["report"].components["rng"] == "reset"
-    _assert_identical(results[0]["full"], want)
+    models.assert_same_full_state(results[0]["full"], want)
 
 
 def test_two_ranks_to_one_unsharded_process(saved_on_two):
@@ -66,4 +52,4 @@ def test_two_ranks_to_one_unsharded_process(saved_on_two):
         "model": model.state_dict(),
         "optimizer": {fqn: opt.state[p] for fqn, p in model.named_parameters()},
     }
-    _assert_identical(got, want)
+    models.assert_same_full_state(got, want)

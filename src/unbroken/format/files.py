@@ -54,8 +54,10 @@ def file_problem(path: Path, size: int) -> str | None:
     """Why the listed file ``path`` of recorded ``size`` must not be read, or None."""
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return f"{path} is missing"
+    except OSError as exc:  # no permission on the folder, an I/O error
+        return f"{path} cannot be read ({exc.strerror or exc})"
     if stat.S_ISLNK(st.st_mode):
         return f"{path} is a symbolic link; checkpoints never hold one"
     if not stat.S_ISREG(st.st_mode):
@@ -75,7 +77,11 @@ def problems(folder: Path, listed: Mapping[str, Mapping[str, Any]]) -> list[tupl
         why = file_problem(folder / name, rec["size"])
         if why is not None:
             found.append((name, why))
-    for name in sorted(set(os.listdir(folder)) - set(listed) - {MANIFEST}):
+    try:
+        present = set(os.listdir(folder))
+    except OSError as exc:  # gone meanwhile (pruned: the caller re-lists) or unreadable
+        return [*found, (folder.name, f"{folder} cannot be listed ({exc.strerror or exc})")]
+    for name in sorted(present - set(listed) - {MANIFEST}):
         found.append((name, f"{folder / name} is not listed in the manifest: something other "
                             "than the save wrote there"))  # fmt: skip
     return found

@@ -122,22 +122,24 @@ def read(directory: Path) -> dict[str, Any]:
             (unsafe files, impossible tensors, malformed fields).
     """
     path = directory / "manifest.json"
-    files.refuse_links(directory)
     try:
+        files.refuse_links(directory)
         text = _read_bounded(path, directory)
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{path} is missing: {directory} is not a committed checkpoint (a step folder "
             "whose manifest was lost or deleted is damaged and never restored)"
         ) from None
+    except CorruptCheckpointError:
+        raise
+    except OSError as exc:  # no permission, an I/O error: as unusable as a missing one
+        raise CorruptCheckpointError(
+            f"{exc.filename or path} cannot be read ({exc.strerror or exc})"
+        ) from None
     try:
         doc = json.loads(text, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path} is not valid JSON ({exc}); it is damaged") from None
-    except CorruptCheckpointError:
-        raise
-    except OSError as exc:  # no permission, an I/O error: as unusable as a missing one
-        raise CorruptCheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise CorruptCheckpointError(f"{path} is not an unbroken manifest")
     schema.check_json(path, doc)  # depth and 1e999 first: the digest below recurses
