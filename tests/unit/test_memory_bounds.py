@@ -113,7 +113,10 @@ def test_hostile_checkpoints_are_refused_before_their_memory_is_spent(tmp_path):
     an 8 KiB shard, and a 256 MiB tensor in a sparse shard: restore() and verify each
     refuse them (CorruptCheckpointError, a failed check) with peak RSS growing by less
     than 32 MB."""
-    Problem(seed=3)  # first use imports lazily (optimizers): done once, before any fork
+    # Everything a restore and an audit import (and, in a fresh clone, compile to .pyc)
+    # is loaded once here, before any fork: the children measure the checkpoint's cost.
+    sound = _saved(tmp_path / "warm-up")
+    assert _restore(sound) == "restored" and _verify(sound) == ""
     results = {}
     for name, spoil in (("world", _huge_world), ("padded", _padded_manifest),
                         ("sparse", _sparse_shard)):  # fmt: skip
