@@ -66,6 +66,14 @@ def test_plain_dataloader_error_names_the_fix(ckpt_dir):
         Problem().checkpointer(ckpt_dir, dataloader=loader)
 
 
+def _train_step(p: Problem, x: torch.Tensor, y: torch.Tensor) -> float:
+    loss = (p.model(x) - y).pow(2).mean()
+    p.opt.zero_grad()
+    loss.backward()
+    p.opt.step()
+    return loss.item()
+
+
 def _shuffled_run(ckpt_dir, *, total: int, stop: int | None, generator: bool, seed: int):
     """The README quickstart loop around a model with dropout and a shuffled loader."""
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -80,11 +88,7 @@ def _shuffled_run(ckpt_dir, *, total: int, stop: int | None, generator: bool, se
     losses, step = [], report.step
     while step < total:
         for x, y in loader:
-            loss = (p.model(x) - y).pow(2).mean()
-            p.opt.zero_grad()
-            loss.backward()
-            p.opt.step()
-            losses.append(loss.item())
+            losses.append(_train_step(p, x, y))
             step += 1
             if step in (stop, total):
                 ckpt.save(step)
@@ -134,11 +138,7 @@ def _sampler_run(ckpt_dir, *, total: int, stop: int | None, seed: int) -> list[f
     step = ckpt.restore().step
     losses = []
     for x, y in recipe["batches"](loader, sampler, generator, position, 3):
-        loss = (p.model(x) - y).pow(2).mean()
-        p.opt.zero_grad()
-        loss.backward()
-        p.opt.step()
-        losses.append(loss.item())
+        losses.append(_train_step(p, x, y))
         step += 1
         if step in (stop, total):
             ckpt.save(step)

@@ -77,19 +77,21 @@ def from_rank0(value: Any) -> Any:
     return box[0]
 
 
+def _attempt(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
+    """(``fn()``, None), or (None, the exception it raised)."""
+    try:
+        return fn(), None
+    except Exception as exc:
+        return None, exc
+
+
 def agree(fn: Callable[[], T], *, only_rank0: bool = False) -> T | None:
     """Run ``fn`` (on rank 0 only if asked); if it raised anywhere, raise on every rank.
 
     The error raised is the one of the lowest failing rank, with its rank named when
     there is more than one process.
     """
-    result: T | None = None
-    error: BaseException | None = None
-    if not only_rank0 or rank() == 0:
-        try:
-            result = fn()
-        except Exception as exc:
-            error = exc
+    result, error = _attempt(fn) if not only_rank0 or rank() == 0 else (None, None)
     if not active():
         if error is not None:
             raise error
@@ -101,12 +103,7 @@ def agree(fn: Callable[[], T], *, only_rank0: bool = False) -> T | None:
 def agree_all(fn: Callable[[], T]) -> list[T]:
     """Run ``fn`` on every rank and return every rank's result, in rank order, on every
     rank; if it raised anywhere, raise on every rank as :func:`agree` does."""
-    result: T | None = None
-    error: BaseException | None = None
-    try:
-        result = fn()
-    except Exception as exc:
-        error = exc
+    result, error = _attempt(fn)
     if not active():
         if error is not None:
             raise error

@@ -71,7 +71,7 @@ def resume(
     candidates = [] if ignore else Candidates(ckdir, step, candidate_steps)  # re-listed
     skipped = lost_manifests(ckdir)  # damaged folders, named in the report
     if not candidates:
-        looked = collective.agree(lambda: (describe(ckdir), _looks_foreign(ckdir)), only_rank0=True)
+        looked = collective.agree(lambda: _look(ckdir), only_rank0=True)
         found, foreign = collective.from_rank0(looked)
         if ignore:
             found = f"{found}; its committed checkpoints are ignored (overwrite=True)"
@@ -187,29 +187,26 @@ def _foreign_entries(entries: list[str]) -> list[str]:
     ]
 
 
-def _looks_foreign(ckdir: CheckpointDir) -> bool:
-    entries = _entries(ckdir)
-    return bool(entries and _foreign_entries(entries))
-
-
-def describe(ckdir: CheckpointDir) -> str:
-    """Where a restore looked and what it found there, for a fresh start."""
+def _look(ckdir: CheckpointDir) -> tuple[str, bool]:
+    """For a fresh start: (where the restore looked and what it found there, whether
+    another tool's files are there). Lists the folder once."""
     root = ckdir.root
     entries = _entries(ckdir)
     if entries is None:
-        return f"{root} does not exist"
+        return f"{root} does not exist", False
     if entries == ["(not a directory)"]:
-        return f"{root} is a file, not a folder"
+        return f"{root} is a file, not a folder", False
     foreign = _foreign_entries(entries)
     if not foreign:
         ours = [e for e in entries if e != ".lock"]  # the lock file is made by looking
         if not ours:
-            return f"{root} is empty"
-        return f"{root} holds no committed checkpoint (only {', '.join(ours)})"
+            return f"{root} is empty", False
+        return f"{root} holds no committed checkpoint (only {', '.join(ours)})", False
     shown = [e + ("/" if (root / e).is_dir() else "") for e in foreign[:_SHOWN]]
     more = f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else ""
     return (
         f"{root} holds no committed unbroken checkpoint but {', '.join(shown)}{more} "
         "(another tool's layout? unbroken commits step_NNNNNNNN/ folders holding a "
-        f"{MANIFEST})"
+        f"{MANIFEST})",
+        True,
     )
