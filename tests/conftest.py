@@ -12,6 +12,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
+# Every process a test starts prints all threads' Python stacks if it aborts or crashes
+# (a C++ abort in a torchrun rank otherwise leaves one line and no trace).
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 class TinyNet(nn.Module):
