@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
 import random
+import sys
 import time
 
 import numpy as np
@@ -109,3 +111,12 @@ if __name__ == "__main__":
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+        # Everything is committed and closed. Skip the interpreter's finalization: torch
+        # keeps the gloo group's worker threads alive after destroy_process_group, and a
+        # worker still releasing a finished collective's tensors when finalization starts
+        # needs the GIL and aborts the process ("terminate called without an active
+        # exception", SIGABRT; seen under load, see docs/pitfalls.md).
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
