@@ -49,7 +49,7 @@ class Rows(torch.utils.data.Dataset):
 
 
 def build_trainer(ckpt_dir: str, steps: int, save_steps: int, **overrides) -> UnbrokenTrainer:
-    args = TrainingArguments(
+    settings = dict(
         output_dir=os.path.join(ckpt_dir, "hf-output"),  # the Trainer writes nothing here
         max_steps=steps,
         per_device_train_batch_size=16,
@@ -65,8 +65,8 @@ def build_trainer(ckpt_dir: str, steps: int, save_steps: int, **overrides) -> Un
         use_cpu=True,
         report_to="none",
         disable_tqdm=True,
-        **overrides,
     )
+    args = TrainingArguments(**{**settings, **overrides})
     torch.manual_seed(0)  # the initial weights
     model = Regressor()
     return UnbrokenTrainer(

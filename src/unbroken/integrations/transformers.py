@@ -90,7 +90,9 @@ class UnbrokenCallback(TrainerCallback):
         require: bool | None = None,
     ) -> None:
         if extra and set(extra) & {hf.STATE, hf.LOOP, hf.DATA, "scaler"}:
-            raise ValueError(f"extra may not use the names {[hf.STATE, hf.LOOP, hf.DATA, 'scaler']}")
+            raise ValueError(
+                f"extra may not use the names {[hf.STATE, hf.LOOP, hf.DATA, 'scaler']}"
+            )
         self.path = os.fspath(path)
         self._options = {"keep_last": keep_last, "async_save": async_save, "probe": probe,
                          "overwrite": overwrite}  # fmt: skip
