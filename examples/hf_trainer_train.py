@@ -65,6 +65,7 @@ def build_trainer(ckpt_dir: str, steps: int, save_steps: int, **overrides) -> Un
         use_cpu=True,
         report_to="none",
         disable_tqdm=True,
+        ddp_find_unused_parameters=False,  # under torchrun: every parameter has a gradient
     )
     args = TrainingArguments(**{**settings, **overrides})
     torch.manual_seed(0)  # the initial weights

@@ -159,10 +159,11 @@ def find_resume_point(path: str | os.PathLike, step: int | None) -> ResumePoint 
         IncompleteCheckpointError: the checkpoint was not saved through this integration.
     """
     ckdir = CheckpointDir(path)
+    steps = resuming.candidate_steps(ckdir, step)  # collective: every rank the same list
 
     def look() -> tuple[int, dict, dict] | None:
         errors = []
-        for chosen in resuming.candidate_steps(ckdir, step):
+        for chosen in steps:
             try:
                 doc = read_manifest(ckdir.step_path(chosen))
             except CorruptCheckpointError as exc:
@@ -175,7 +176,7 @@ def find_resume_point(path: str | os.PathLike, step: int | None) -> ResumePoint 
             raise CorruptCheckpointError("no committed checkpoint reads: " + "; ".join(errors))
         return None
 
-    # Every rank reads nothing itself: rank 0 decides, all ranks adopt its answer.
+    # Rank 0 reads the manifest; every rank adopts its answer (or its error).
     found = collective.from_rank0(collective.agree(look, only_rank0=True))
     if found is None:
         return None
