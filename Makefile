@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch 2.13.0 is pinned exactly (it is what CI tests).
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet -e ".[dev]" torch==2.13.0
 	touch $(STAMP)
 
 # The second supported torch: 2.14.1 (a CUDA build that runs on the CPU here; pip takes
@@ -25,7 +25,7 @@ $(STAMP_NEXT): pyproject.toml
 	$(PYTHON) -m venv $(VENV_NEXT)
 	$(VENV_NEXT)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_NEXT)/bin/python -m pip install --quiet torch==2.14.1
-	$(VENV_NEXT)/bin/python -m pip install --quiet -e ".[dev]"
+	$(VENV_NEXT)/bin/python -m pip install --quiet -e ".[dev]" torch==2.14.1
 	touch $(STAMP_NEXT)
 
 install: $(STAMP)
