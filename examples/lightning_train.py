@@ -8,16 +8,12 @@ shuffled every epoch, AdamW's learning rate warms up per step. ``--devices 2`` t
 ``UNBROKEN_STOP_AT=K`` and run it again: it resumes mid-epoch from DIR.
 
     unbroken resume-test --stop-at 20 -- python examples/lightning_train.py {dir}
-
-``LIGHTNING_BUG=loops`` throws the restored loop state away (a fresh ``global_step`` and
-epoch, the data position kept): the resume test catches it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import random
 import warnings
 
@@ -58,6 +54,31 @@ class Regressor(L.LightningModule):
         return StatefulDataLoader(data, batch_size=16, sampler=sampler)
 
 
+def seed() -> None:
+    torch.set_num_threads(1)  # a fixed reduction order whatever the machine's load
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+
+
+def make_trainer(
+    ckpt_dir: str, *, steps: int = 40, devices: int = 1, every: int = 10, callbacks: list = ()
+) -> L.Trainer:
+    """The Trainer, quiet and CPU-only, with the callback: the lines a user adds."""
+    return L.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy="ddp" if devices > 1 else "auto",
+        max_steps=steps,
+        callbacks=[UnbrokenCallback(ckpt_dir, every_n_steps=every), *callbacks],
+        use_distributed_sampler=False,  # the module shards and shuffles itself
+        enable_checkpointing=False,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("dir")
@@ -65,43 +86,11 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--every", type=int, default=10)
     args = parser.parse_args()
-    torch.set_num_threads(1)  # a fixed reduction order whatever the machine's load
-    torch.manual_seed(0)
-    random.seed(0)
-    np.random.seed(0)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*set_vital")
-    callback = UnbrokenCallback(args.dir, every_n_steps=args.every)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy="ddp" if args.devices > 1 else "auto",
-        max_steps=args.steps,
-        callbacks=[callback],
-        use_distributed_sampler=False,  # the module shards and shuffles itself
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    if os.environ.get("LIGHTNING_BUG") == "loops":
-        _forget_loop_state_after_restore(callback)
+    seed()
+    trainer = make_trainer(args.dir, steps=args.steps, devices=args.devices, every=args.every)
     trainer.fit(Regressor())
-
-
-def _forget_loop_state_after_restore(callback: UnbrokenCallback) -> None:
-    """The bug: after the restore, the fit loop starts over (global_step 0, epoch 0)."""
-    restore = callback.on_train_start
-
-    def on_train_start(trainer: L.Trainer, module: L.LightningModule) -> None:
-        restore(trainer, module)
-        loop = trainer.fit_loop
-        loop.epoch_progress.reset()
-        loop.epoch_loop.batch_progress.reset()
-        loop.epoch_loop.automatic_optimization.optim_progress.reset()
-        callback._tracked = callback._saved = 0
-
-    callback.on_train_start = on_train_start  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":

@@ -12,6 +12,9 @@ What is saved, and when (checked against Lightning 2.6):
   hooks, epoch schedulers and the next epoch's shuffle follow it) and not a batch that
   validation follows (validation draws random numbers a resumed run would not). A save
   or stop that falls on such a batch is carried out after the next batch that qualifies.
+  When ``fit()`` ends, its last step is saved if it was not: such a final checkpoint
+  restores a finished run (for its weights, or to compare), but training on from it is
+  refused, since it was taken where the loops cannot go on exactly.
 - **What.** The LightningModule, the optimizers and LR schedulers of
   ``configure_optimizers``, the train dataloaders' positions (each per rank), the RNGs,
   the state of stateful callbacks, datamodule and precision plugin, and the fit loop's
@@ -47,6 +50,7 @@ from ..report import RestoreReport
 logger = logging.getLogger(__name__)
 
 LOOPS = "lightning_loops"
+FINAL = "unbroken:final"
 _SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
 
 
@@ -56,7 +60,7 @@ class UnbrokenCallback(pl.Callback):
     Add it to ``Trainer(callbacks=[...])`` and call ``trainer.fit(model)`` as always:
     the latest committed checkpoint in ``dirpath`` is restored when training starts (a
     fresh start if there is none), one is saved every ``every_n_steps`` optimizer steps
-    and at the last step, and on preemption (SIGTERM/SIGUSR1, or ``UNBROKEN_STOP_AT``)
+    and when ``fit()`` ends, and on preemption (SIGTERM/SIGUSR1, or ``UNBROKEN_STOP_AT``)
     one is saved and ``trainer.should_stop`` is set. Every step's loss and gradient norm
     are tracked (:meth:`unbroken.Checkpointer.track`), so ``unbroken resume-test`` and
     the post-resume checks can compare. Runs with one process or Lightning's ``ddp``
@@ -127,13 +131,15 @@ class UnbrokenCallback(pl.Callback):
         self._saved = -1  # the last step saved
         self._pending_save = False  # asked for at a batch where saving is not exact
         self._pending_stop = False
+        self._loops: _LoopState | None = None
 
     # -- restore ----------------------------------------------------------------------
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         fit = _Fit(trainer)
         fit.check_supported(pl_module)
-        extra = {LOOPS: _LoopState(fit), **fit.stateful_parts(), **self._extra}
+        self._loops = _LoopState(fit)
+        extra = {LOOPS: self._loops, **fit.stateful_parts(), **self._extra}
         self.checkpointer = Checkpointer(
             self._dirpath,
             model=pl_module,
@@ -147,6 +153,13 @@ class UnbrokenCallback(pl.Callback):
         if not self.report.restored:
             return
         fit.resume_loops()
+        if self._loops.final and not trainer.fit_loop.done:
+            raise CheckpointError(
+                f"step {self.report.step} ({self.report.path}) was saved when fit() ended, "
+                "after an epoch end or validation, where the loop state cannot go on "
+                "exactly; to train further restore an earlier step (restore_step=, one of "
+                f"{self.checkpointer.steps()}) or start a new run"
+            )
         if trainer.global_step != self.report.step:
             raise StateMismatchError(
                 f"the restored fit loop is at global_step {trainer.global_step}, the "
@@ -212,8 +225,14 @@ class UnbrokenCallback(pl.Callback):
     # -- end --------------------------------------------------------------------------
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.close()
+        ckpt = self.checkpointer
+        if ckpt is None:
+            return
+        if trainer.global_step > self._saved:  # the last step, not at a batch that qualified
+            assert self._loops is not None
+            self._loops.final = True
+            ckpt.save(trainer.global_step)
+        ckpt.close()
 
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
@@ -232,14 +251,17 @@ class _LoopState:
 
     def __init__(self, fit: _Fit) -> None:
         self._fit = fit
+        self.final = False  # saved when fit() ended: the loops cannot go on exactly
 
     def state_dict(self) -> dict[str, Any]:
         state = self._fit.loop.state_dict()
         own = dict(state.get("state_dict", {}))
         own.pop("combined_loader", None)
-        return {**state, "state_dict": own}
+        return {**state, "state_dict": own, FINAL: self.final}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        self.final = bool(state.pop(FINAL, False))
         self._fit.loop.load_state_dict(state)
         epoch = self._fit.loop.epoch_progress.current.processed
         for loader in self._fit.loaders():
@@ -292,9 +314,13 @@ class _Fit:
     def stateful_parts(self) -> dict[str, Any]:
         """Callbacks, datamodule and precision plugin that hold state, by component name."""
         trainer, parts = self.trainer, {}
-        for i, cb in enumerate(trainer.callbacks):
+        for cb in trainer.callbacks:
             if not isinstance(cb, UnbrokenCallback) and cb.state_dict():
-                parts[f"callback_{i}_{type(cb).__name__}"] = cb
+                name = base = f"callback_{type(cb).__name__}"
+                n = 1
+                while name in parts:  # a second callback of the same class
+                    name, n = f"{base}_{n}", n + 1
+                parts[name] = cb
         if trainer.datamodule is not None and trainer.datamodule.state_dict():
             parts["datamodule"] = trainer.datamodule
         if trainer.precision_plugin.state_dict():
