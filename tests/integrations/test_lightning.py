@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import shutil
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -184,3 +186,30 @@ def test_unsupported_state_is_refused(tmp_path, module, error, words):
     assert all(w in str(caught.value) for w in words), str(caught.value)
     assert trainer.global_step == 0
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").glob("step_*"))
+
+
+class Preempt(L.Callback):
+    """Sends this process SIGTERM while step ``at`` trains, as a cluster's preemption does."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if trainer.global_step + 1 == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_saves_and_stops(tmp_path):
+    """Preemption (the bug class of work lost, or a half-written checkpoint, on SIGTERM):
+    the step that was training when SIGTERM came is finished, saved and committed, and
+    ``trainer.should_stop`` ends the fit there; the process's handler is put back."""
+    before = signal.getsignal(signal.SIGTERM)
+    example.seed()
+    trainer = example.make_trainer(str(tmp_path / "run"), steps=STEPS, callbacks=[Preempt(13)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(example.Regressor())
+    assert trainer.global_step == 13
+    assert signal.getsignal(signal.SIGTERM) == before
+    with ub.Checkpointer(tmp_path / "run", model=torch.nn.Linear(1, 1)) as ckpt:
+        assert ckpt.steps() == [10, 13]
