@@ -19,6 +19,9 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
+from torch.utils.data import RandomSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import unbroken as ub
 from unbroken.integrations import lightning as lightning_ext
@@ -161,6 +164,15 @@ class PlainLoader(example.Regressor):
         return torch.utils.data.DataLoader(super().train_dataloader().dataset, batch_size=16)
 
 
+class WrappedSampler(example.Regressor):
+    """What Lightning makes of ``StatefulDataLoader(shuffle=True)`` under DDP."""
+
+    def train_dataloader(self):
+        data = super().train_dataloader().dataset
+        sampler = DistributedSamplerWrapper(RandomSampler(data), num_replicas=1, rank=0)
+        return StatefulDataLoader(data, batch_size=16, sampler=sampler)
+
+
 class OwnCheckpointHook(example.Regressor):
     def on_save_checkpoint(self, checkpoint):
         checkpoint["mine"] = 1
@@ -170,13 +182,16 @@ class OwnCheckpointHook(example.Regressor):
     ("module", "error", "words"),
     [
         (PlainLoader, TypeError, ["dataloader", "StatefulDataLoader"]),
+        (WrappedSampler, ub.CheckpointError, ["DistributedSamplerWrapper", "seed="]),
         (OwnCheckpointHook, ub.CheckpointError, ["on_save_checkpoint", "extra="]),
     ],
-    ids=["plain-DataLoader", "on_save_checkpoint"],
+    ids=["plain-DataLoader", "sampler-shuffled-by-global-RNG", "on_save_checkpoint"],
 )
 def test_unsupported_state_is_refused(tmp_path, module, error, words):
-    """Silent fresh starts (the bug class of state that cannot be saved exactly): a plain
-    DataLoader (no position to save) or a module's own ``on_save_checkpoint`` state is
+    """State that cannot be saved exactly (the bug classes of a silent fresh start and a
+    lost data position): a plain DataLoader (no position to save), a sampler whose order
+    comes from the global RNG outside the loader's state (Lightning's wrapper under DDP;
+    checked on one process here), or a module's own ``on_save_checkpoint`` state is
     refused when training starts, naming the object and the fix, before any step."""
     example.seed()
     trainer = example.make_trainer(str(tmp_path / "run"), steps=STEPS)

@@ -39,6 +39,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -127,11 +128,13 @@ class UnbrokenCallback(pl.Callback):
         self.checkpointer: Checkpointer | None = None
         self.report: RestoreReport | None = None
         self._grad_norm: torch.Tensor | None = None
-        self._tracked = -1  # the last step tracked
-        self._saved = -1  # the last step saved
+        self._loops: _LoopState | None = None
+        self._start(0)
+
+    def _start(self, step: int) -> None:
+        self._tracked = self._saved = step  # the last step tracked, and saved
         self._pending_save = False  # asked for at a batch where saving is not exact
         self._pending_stop = False
-        self._loops: _LoopState | None = None
 
     # -- restore ----------------------------------------------------------------------
 
@@ -150,15 +153,17 @@ class UnbrokenCallback(pl.Callback):
             **self._options,
         )
         self.report = self.checkpointer.restore(self._restore_step, require=self._require)
+        self._start(self.report.step)
         if not self.report.restored:
             return
         fit.resume_loops()
         if self._loops.final and not trainer.fit_loop.done:
             raise CheckpointError(
                 f"step {self.report.step} ({self.report.path}) was saved when fit() ended, "
-                "after an epoch end or validation, where the loop state cannot go on "
-                "exactly; to train further restore an earlier step (restore_step=, one of "
-                f"{self.checkpointer.steps()}) or start a new run"
+                "at a batch after which the loops cannot go on exactly (an epoch end, "
+                "validation or gradient accumulation followed it); to train further, "
+                f"restore an earlier step (restore_step=, one of {self.checkpointer.steps()}) "
+                "or start a new run"
             )
         if trainer.global_step != self.report.step:
             raise StateMismatchError(
@@ -166,7 +171,6 @@ class UnbrokenCallback(pl.Callback):
                 f"checkpoint at step {self.report.step} ({self.report.path}): the loop state "
                 "does not belong to this checkpoint; restore another step (restore_step=)"
             )
-        self._tracked = self._saved = self.report.step
 
     # -- tracking ---------------------------------------------------------------------
 
@@ -207,6 +211,7 @@ class UnbrokenCallback(pl.Callback):
         ckpt.save(step)
         self._saved, self._pending_save = step, False
         if self._pending_stop:
+            self._pending_stop = False
             trainer.should_stop = True
             if not trainer.fit_loop._can_stop_early:
                 logger.warning("stop requested at step %d, but min_epochs/min_steps are not "
@@ -303,6 +308,19 @@ class _Fit:
                 )
         if not self.loaders():
             raise CheckpointError(f"{where}: the trainer has no train dataloader to save")
+        for i, loader in enumerate(self.loaders()):
+            samplers = (getattr(loader, "sampler", None),
+                        getattr(getattr(loader, "batch_sampler", None), "sampler", None))  # fmt: skip
+            if any(isinstance(s, DistributedSamplerWrapper) for s in samplers):
+                raise CheckpointError(
+                    f"{where}: train dataloader {i}'s sampler is wrapped in Lightning's "
+                    "DistributedSamplerWrapper (it wraps a sampler other than torch's "
+                    "RandomSampler/SequentialSampler, e.g. the one StatefulDataLoader("
+                    "shuffle=True) makes), whose order (a shuffle drawn at each epoch) is "
+                    "not in the loader's state: give the loader a "
+                    "torch.utils.data.DistributedSampler(dataset, shuffle=True, seed=...) "
+                    "and pass Trainer(use_distributed_sampler=False)"
+                )
         fetcher = self.loop._data_fetcher
         if getattr(fetcher, "batches", None):
             raise CheckpointError(
