@@ -26,7 +26,8 @@ What is saved, and when (checked against Lightning 2.6):
   data fetcher is re-created on the restored loaders (whose iterators were made inside
   the restore, before the RNGs were set, so nothing shifts a random draw).
 
-Private Lightning attributes this module relies on are used only in ``_Fit`` below.
+Lightning's private attributes and functions this module relies on are used only in
+``_Fit`` and ``_LoopState`` below.
 """
 
 from __future__ import annotations
@@ -213,7 +214,7 @@ class UnbrokenCallback(pl.Callback):
         if self._pending_stop:
             self._pending_stop = False
             trainer.should_stop = True
-            if not trainer.fit_loop._can_stop_early:
+            if not _Fit(trainer).can_stop():
                 logger.warning("stop requested at step %d, but min_epochs/min_steps are not "
                                "met: Lightning goes on training", step)  # fmt: skip
 
@@ -353,6 +354,10 @@ class _Fit:
             or epoch_loop._num_ready_batches_reached()
             or epoch_loop._should_check_val_fx(self.loop._data_fetcher)
         )
+
+    def can_stop(self) -> bool:
+        """Does Lightning honour ``should_stop`` now (min_epochs/min_steps met)?"""
+        return self.loop._can_stop_early
 
     def resume_loops(self) -> None:
         """After the restore: Lightning's restart bookkeeping, and batches from the
