@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .format.storage import CheckpointDir
@@ -37,6 +38,7 @@ def resume_test(
     env: dict[str, str] | None = None,
     timeout: float | None = None,
     plot: bool = True,
+    parallel: bool = False,
 ) -> ResumeTestResult:
     """Run ``command`` straight and stopped-at-``stop_at``-then-resumed; compare.
 
@@ -46,6 +48,10 @@ def resume_test(
     resumed run may differ within ``tolerance`` (relative); the restore itself is still
     verified exactly by the library. ``plot`` draws ``resume-test.png`` (it needs
     matplotlib; without it the result says so in a note and the verdict is unchanged).
+    ``parallel`` runs the straight and the stopped run at the same time (they share
+    nothing): faster where the machine has room for both, wrong for commands that need a
+    whole GPU or bind a fixed port (torchrun without ``--standalone`` or distinct
+    ``--master_port``s).
     """
     if stop_at < 1:
         raise ValueError(f"stop_at must be >= 1, got {stop_at}")
@@ -56,8 +62,18 @@ def resume_test(
         if d.exists() and any(d.iterdir()):
             raise ValueError(f"{d} is not empty: give resume_test a fresh workdir")
     base_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != STOP_AT_ENV}
-    run(command, straight, base_env, work / "straight.log", timeout)
-    run(command, resumed, {**base_env, STOP_AT_ENV: str(stop_at)}, work / "stopped.log", timeout)
+    first_runs = [
+        (straight, base_env, work / "straight.log"),
+        (resumed, {**base_env, STOP_AT_ENV: str(stop_at)}, work / "stopped.log"),
+    ]
+    if parallel:
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="unbroken-run") as pool:
+            runs = [pool.submit(run, command, *args, timeout) for args in first_runs]
+        for finished in runs:
+            finished.result()  # the straight run's error first, as when sequential
+    else:
+        for args in first_runs:
+            run(command, *args, timeout)
     if CheckpointDir(resumed).steps()[-1:] != [stop_at]:
         raise RunFailed(
             f"the stopped run did not commit a checkpoint at step {stop_at} (see "

@@ -38,7 +38,7 @@ def test_resume_test_passes_then_plot_shows_the_resume(tmp_path):
 
 def test_resume_test_fails_on_a_lost_optimizer_naming_the_step(tmp_path):
     done = _unbroken("resume-test", "--stop-at", "13", "--workdir", tmp_path / "w",
-                     "--", sys.executable, TINY, "{dir}", "--steps", "25",
+                     "--parallel", "--", sys.executable, TINY, "{dir}", "--steps", "25",
                      env={"TINY_BUG": "optimizer"})  # fmt: skip
     assert done.returncode == 1, done.stderr
     assert "DIFFERENT" in done.stdout and "first difference: step 15" in done.stdout
@@ -73,7 +73,7 @@ def test_resume_test_without_matplotlib_gives_the_verdict(tmp_path):
     """No matplotlib (no [plot] extra): all three runs, the verdict and the report as
     usual, no plot, and one line saying why."""
     work = tmp_path / "work"
-    done = _unbroken("resume-test", "--stop-at", "13", "--workdir", work,
+    done = _unbroken("resume-test", "--stop-at", "13", "--workdir", work, "--parallel",
                      "--", sys.executable, TINY, "{dir}", "--steps", "25",
                      env=_without_matplotlib(tmp_path))  # fmt: skip
     assert done.returncode == 0, done.stderr

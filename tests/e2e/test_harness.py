@@ -27,7 +27,9 @@ def test_passes_on_a_correct_script(tmp_path):
 @pytest.mark.parametrize("bug", ["reseed", "data", "optimizer"])
 def test_fails_on_a_resume_bug(tmp_path, bug):
     """Lost RNG state, lost data position, lost optimizer moments: each must be caught."""
-    result = resume_test(COMMAND, stop_at=17, workdir=tmp_path, env={"TINY_BUG": bug})
+    result = resume_test(
+        COMMAND, stop_at=17, workdir=tmp_path, env={"TINY_BUG": bug}, parallel=True
+    )
     assert not result.passed
     # A lost optimizer first shows in the loss after its first step.
     first = 19 if bug == "optimizer" else 18
@@ -46,7 +48,9 @@ def train_tiny(folder: str) -> None:
 
 
 def test_callable_form(tmp_path):
-    result = assert_resumes_exactly(train_tiny, stop_at=11, workdir=tmp_path, plot=False)
+    result = assert_resumes_exactly(
+        train_tiny, stop_at=11, workdir=tmp_path, plot=False, parallel=True
+    )
     assert result.compared_steps == 19 and result.passed
 
 
@@ -69,6 +73,7 @@ def test_resume_on_another_world_size_reports_the_deviation(tmp_path):
         env={"TINY_RESHARD": "1"},
         plot=False,
         timeout=180,
+        parallel=True,  # the single-process runs; the torchrun resume runs alone
     )
     assert not result.exact and result.passed, str(result)
     assert result.compared_steps == 15
@@ -147,3 +152,34 @@ def test_rng_note_does_not_blame_seeding_for_torch(tmp_path):
     assert "does not seed" not in note and "harmless only if" in note
     assert f"note: {note}" in str(result)
     assert "identical, except the RNG state of torch CPU (see the note)" in str(result)
+
+
+RENDEZVOUS = """
+import os, pathlib, sys, time
+folder = pathlib.Path(sys.argv[1])
+me = "stopped" if os.environ.get("UNBROKEN_STOP_AT") else "straight"
+other = "straight" if me == "stopped" else "stopped"
+marks = folder.parent.parent
+if not list(folder.glob("step_*")):  # the first two runs wait for each other
+    (marks / f"{me}.started").touch()
+    deadline = time.monotonic() + 60
+    while not (marks / f"{other}.started").exists():
+        if time.monotonic() > deadline:
+            sys.exit(f"{me}: the {other} run never started beside me")
+        time.sleep(0.05)
+"""
+
+
+def test_parallel_runs_the_straight_and_stopped_runs_at_the_same_time(tmp_path):
+    """parallel=True: each of the first two runs waits for the other to have started, so
+    run one after the other they could not finish; the verdict is the sequential one."""
+    script = tmp_path / "rendezvous_then_train.py"
+    body = Path(SCRIPT).read_text().replace("from __future__ import annotations\n", "")
+    script.write_text(RENDEZVOUS + body, encoding="utf-8")
+    work = tmp_path / "work"
+    result = assert_resumes_exactly(
+        [sys.executable, str(script), "{dir}", "--steps", "20"],
+        stop_at=9, workdir=work, plot=False, parallel=True, timeout=120,
+    )  # fmt: skip
+    assert result.compared_steps == 11
+    assert (tmp_path / "straight.started").exists() and (tmp_path / "stopped.started").exists()

@@ -58,6 +58,14 @@ def resume_test_command(
     timeout: Annotated[
         float | None, typer.Option("--timeout", help="Seconds allowed per run.")
     ] = None,
+    parallel: Annotated[
+        bool,
+        typer.Option(
+            "--parallel",
+            help="Run the straight and the stopped run at the same time (not for commands "
+            "that need a whole GPU or bind a fixed port).",
+        ),
+    ] = False,
     as_json: JsonOption = False,
 ) -> None:
     from ..testing import RunFailed, resume_test
@@ -80,6 +88,7 @@ def resume_test_command(
                 resume_command=shlex.split(resume_cmd) if resume_cmd else None,
                 tolerance=tolerance,
                 timeout=timeout,
+                parallel=parallel,
             )
         except (RunFailed, ValueError) as exc:
             report_error(exc)  # plain text, unwrapped: paths and tracebacks stay whole
