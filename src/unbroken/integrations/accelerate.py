@@ -82,7 +82,7 @@ def checkpointer_for(
     Raises:
         ValueError: nothing was prepared, or ``extra`` reuses a name this adds.
         TypeError: a loader cannot be restored exactly (the message names it by its
-            position in ``prepare`` and says what to pass instead), or ``dataloaders``
+            index in ``accelerator._dataloaders`` and says what to pass instead), or ``dataloaders``
             holds something ``accelerator`` did not prepare.
 
     Example::
@@ -148,12 +148,8 @@ def _loaders(accelerator: Any, chosen: Sequence[Any] | None) -> list[_PreparedLo
                 f"dataloaders holds a {type(loader).__name__} that this Accelerator did not "
                 "prepare: pass the objects accelerator.prepare() returned"
             )
-        out.append(_PreparedLoader(loader, f"the dataloader prepared {_ordinal(index)}"))
+        out.append(_PreparedLoader(loader, f"accelerator._dataloaders[{index}]"))
     return out
-
-
-def _ordinal(index: int) -> str:
-    return f"{index + 1}{({1: 'st', 2: 'nd', 3: 'rd'}.get(index + 1, 'th'))}"
 
 
 class _AcceleratorStep:
