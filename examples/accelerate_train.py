@@ -37,11 +37,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("dir", help="checkpoint folder")
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps")
     parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per step")
+    parser.add_argument("--gpu", action="store_true", help="train on the launcher's GPUs")
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)  # one reduction order, whatever the machine's load
     accelerator = Accelerator(
-        cpu=True,
+        cpu=not args.gpu,
         gradient_accumulation_steps=args.accumulate,
         # A stateful loader (its position can be saved) with a shuffle seeded by epoch.
         dataloader_config=DataLoaderConfiguration(

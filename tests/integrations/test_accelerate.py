@@ -217,3 +217,16 @@ def test_extra_may_not_take_a_name_the_integration_uses(accelerator_factory, tmp
     taken = {"accelerator": nn.Linear(1, 1)}
     with pytest.raises(ValueError, match=r"extra reuses the component name\(s\) \['accelerator'\]"):
         checkpointer_for(acc, tmp_path, extra=taken)
+
+
+def test_processes_the_accelerator_did_not_join_are_refused(
+    accelerator_factory, tmp_path, monkeypatch
+):
+    """A torn run: launched as 2 processes (``accelerate launch --use_fsdp`` on a machine
+    without GPUs) while each Accelerator runs alone, both would save into one folder as
+    rank 0 of 1. Refused, naming the launch and the fix."""
+    acc = accelerator_factory()
+    acc.prepare(nn.Linear(2, 2))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"launched as 2 processes .* runs 1 .*--multi_gpu"):
+        checkpointer_for(acc, tmp_path)

@@ -80,7 +80,9 @@ def checkpointer_for(
         the Checkpointer; ``restore()``'s report names each component listed in the
         module docstring.
     Raises:
-        ValueError: nothing was prepared, or ``extra`` reuses a name this adds.
+        ValueError: nothing was prepared, ``extra`` reuses a name this adds, or the
+            launcher started more processes than the Accelerator joined (Accelerate's
+            FSDP plugin on a machine without GPUs: each process runs alone).
         TypeError: a loader cannot be restored exactly (the message names it by its
             index in ``accelerator._dataloaders`` and says what to pass instead), or ``dataloaders``
             holds something ``accelerator`` did not prepare.
@@ -98,6 +100,15 @@ def checkpointer_for(
         raise ValueError(
             "the Accelerator has prepared no model: call checkpointer_for() after "
             "accelerator.prepare(model, ...)"
+        )
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and accelerator.num_processes != launched:
+        raise ValueError(
+            f"launched as {launched} processes (WORLD_SIZE) but the Accelerator runs "
+            f"{accelerator.num_processes} (distributed_type {accelerator.distributed_type}): "
+            "each process would train and save alone, into the same folder. On a machine "
+            "without GPUs pass Accelerator(cpu=True) and launch with --multi_gpu (DDP on "
+            "gloo); Accelerate's FSDP plugin needs GPUs"
         )
     taken = sorted(set(extra or ()) & {*ACCELERATE_COMPONENTS, *_custom_names(accelerator)})
     if taken:
