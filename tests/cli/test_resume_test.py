@@ -26,7 +26,7 @@ def _unbroken(*args, env=None):
 def test_resume_test_passes_then_plot_shows_the_resume(tmp_path):
     work = tmp_path / "work"
     done = _unbroken("resume-test", "--stop-at", "13", "--workdir", work, "--json",
-                     "--", sys.executable, TINY, "{dir}", "--steps", "25")  # fmt: skip
+                     "--parallel", "--", sys.executable, TINY, "{dir}", "--steps", "25")  # fmt: skip
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["passed"] and result["compared_steps"] == 12

@@ -17,7 +17,8 @@ SCRIPT = Path(__file__).parent / "scripts" / "quickstart.py"
 def test_readme_quickstart_resumes_exactly(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "unbroken.cli", "resume-test", "--stop-at", "15",
-         "--workdir", str(tmp_path), "--", sys.executable, str(SCRIPT), "{dir}", "40"],
+         "--workdir", str(tmp_path), "--parallel", "--", sys.executable, str(SCRIPT), "{dir}",
+         "40"],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr

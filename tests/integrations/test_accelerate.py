@@ -40,10 +40,14 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def _resume_test(workdir: Path, stop_at: int, *command: str) -> subprocess.CompletedProcess:
+def _resume_test(
+    workdir: Path, stop_at: int, *command: str, parallel: bool = False
+) -> subprocess.CompletedProcess:
+    # --parallel only for one process: two launches side by side would share a port.
     return subprocess.run(
         [sys.executable, "-m", "unbroken.cli", "resume-test", "--stop-at", str(stop_at),
-         "--workdir", str(workdir), "--json", "--timeout", "120", "--", *command],
+         "--workdir", str(workdir), "--json", "--timeout", "120",
+         *(["--parallel"] if parallel else []), "--", *command],
         capture_output=True, text=True, timeout=400, env=ENV, cwd=ROOT,
     )  # fmt: skip
 
@@ -54,7 +58,7 @@ def one_process(tmp_path_factory) -> Path:
     last batch of epoch 0 (32 batches, 2 per step), whose saved position says "epoch
     finished", so the resumed run must begin epoch 1 with epoch 1's shuffle."""
     work = tmp_path_factory.mktemp("accelerate-1")
-    done = _resume_test(work, 16, sys.executable, str(EXAMPLE), "{dir}", *STEPS)
+    done = _resume_test(work, 16, sys.executable, str(EXAMPLE), "{dir}", *STEPS, parallel=True)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout)
     assert result["passed"] and result["compared_steps"] == 8, result

@@ -50,7 +50,9 @@ def test_example_resumes_exactly_mid_epoch(tmp_path, devices):
     every tracked loss and grad norm after it and the final state, bit for bit."""
     command = [sys.executable, str(EXAMPLE), "{dir}", "--steps", str(STEPS),
                "--devices", str(devices)]  # fmt: skip
-    result = assert_resumes_exactly(command, stop_at=STOP_AT, workdir=tmp_path, plot=False)
+    result = assert_resumes_exactly(  # in parallel alone: two DDP jobs would share a port
+        command, stop_at=STOP_AT, workdir=tmp_path, plot=False, parallel=devices == 1
+    )
     assert result.compared_steps == STEPS - STOP_AT
     assert {"loss", "grad_norm"} <= set(result.metrics)
 

@@ -187,7 +187,7 @@ def test_resume_test_command_on_the_example(tmp_path):
            "OMP_NUM_THREADS": "1"}  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-m", "unbroken.cli", "resume-test", "--stop-at", "20",
-         "--workdir", str(tmp_path), "--", sys.executable,
+         "--workdir", str(tmp_path), "--parallel", "--", sys.executable,
          str(ROOT / "examples" / "hf_trainer_train.py"), "{dir}"],
         env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
