@@ -126,8 +126,8 @@ def _multipart(store: Store, key: str, segments: list[memoryview], size: int) ->
 
     def send(number: int, body: memoryview) -> dict[str, Any]:
         def once() -> dict[str, Any]:
-            return fs.call_s3(
-                "upload_part", Bucket=bucket, Key=name, UploadId=upload_id,
+            return _s3_once(
+                fs, "upload_part", Bucket=bucket, Key=name, UploadId=upload_id,
                 PartNumber=number, Body=_View(body),
             )  # fmt: skip
 
@@ -159,6 +159,28 @@ def _multipart(store: Store, key: str, segments: list[memoryview], size: int) ->
         raise
     with contextlib.suppress(AttributeError):
         fs.invalidate_cache(key)
+
+
+def _s3_once(fs: Any, method: str, **kwargs: Any) -> Any:
+    """One S3 request with no retry inside the client library: s3fs's own retries would
+    resend a body stream already read to its end (an empty or hanging request), so every
+    attempt (``Store.call``) must bring a fresh body."""
+    from botocore.exceptions import ClientError
+    from fsspec.asyn import sync
+    from s3fs.errors import translate_boto_error
+
+    async def once() -> Any:
+        await fs.set_session()
+        client = await fs.get_s3(kwargs.get("Bucket"))
+        call = getattr(client, method)
+        # The file system's request options (encryption, requester pays) apply too.
+        extra = getattr(fs, "_get_s3_method_kwargs", lambda c, **kw: kw)(call, **kwargs)
+        try:
+            return await call(**extra)
+        except ClientError as exc:
+            raise translate_boto_error(exc) from exc
+
+    return sync(fs.loop, once)
 
 
 def read_ranges(store: Store, key: str, offset: int, buf: memoryview) -> int:
