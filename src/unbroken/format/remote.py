@@ -30,6 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from ..errors import CheckpointError
@@ -50,6 +51,15 @@ def is_url(text: str) -> bool:
     """Whether ``text`` names an object store (``s3://``, ``memory://``, ...), not a
     local path (plain, or ``file://``)."""
     return "://" in text and not text.startswith("file://")
+
+
+def location(path: str | os.PathLike | RemotePath) -> Path | RemotePath:
+    """A checkpoint location as given by a user: a ``RemotePath`` for a store's URL, else
+    a local ``Path`` (``file://`` URLs too)."""
+    if isinstance(path, RemotePath):
+        return path
+    text = os.fspath(path)
+    return RemotePath.parse(text) if is_url(text) else Path(text.removeprefix("file://"))
 
 
 def _env_number(name: str, default: float, low: float) -> float:
@@ -287,6 +297,9 @@ class RemotePath:
 
     def exists(self) -> bool:
         return bool(self.store.listing(self.key)) or self.store.info(self.key) is not None
+
+    def resolve(self) -> RemotePath:
+        return self  # a URL is absolute already
 
     def is_symlink(self) -> bool:
         return False  # object stores have no links

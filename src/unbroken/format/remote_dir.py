@@ -66,7 +66,7 @@ class RemoteCheckpointDir(CheckpointDir):
     remote = True
 
     def __init__(self, root: str | os.PathLike) -> None:
-        self.root = RemotePath.parse(os.fspath(root))  # type: ignore[assignment]
+        self.root = RemotePath.parse(str(root))  # type: ignore[assignment]
         self._removals: list[threading.Thread] = []
         if self.root.store.info(self.root.key) is not None:
             raise CheckpointError(

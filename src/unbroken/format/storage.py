@@ -86,7 +86,7 @@ class CheckpointDir:
     remote = False
 
     def __new__(cls, root: str | os.PathLike) -> CheckpointDir:
-        if cls is CheckpointDir and is_url(os.fspath(root)):
+        if cls is CheckpointDir and is_url(str(root)):
             from .remote_dir import RemoteCheckpointDir  # fsspec is optional
 
             return super().__new__(RemoteCheckpointDir)
