@@ -238,3 +238,16 @@ def test_import_unbroken_needs_no_fsspec(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "unbroken[s3]" in out.stdout
     assert (tmp_path / "step_00000001" / "manifest.json").is_file()
+
+
+def test_async_save_commits_in_the_background(url):
+    """Guarantee: an asynchronous save to a store commits (manifest last) once the
+    background upload finishes, and restores exactly."""
+    a = _trained()
+    ckpt = a.checkpointer(url, async_save=True)
+    ckpt.save(2)
+    ckpt.close()  # waits for the upload and the commit
+    assert CheckpointDir(url).steps() == [2]
+    b = Problem(seed=7)
+    assert b.checkpointer(url).restore().verified
+    assert_same_training_state(a, b)
