@@ -212,15 +212,23 @@ class ShardReader(StorageReader):
         cache: dict[MetadataIndex, torch.Tensor] = {}
         remaining = Counter(req.dest_index.fqn for req in plan.items)
         uses = Counter(req.storage_index for req in plan.items)
+        items = sorted(plan.items, key=lambda r: self._location(r.storage_index).offset)
         with contextlib.ExitStack() as files:
             opened: dict[str, Any] = {}
-            for req in sorted(plan.items, key=lambda r: self._location(r.storage_index).offset):
+            ahead = self._read_ahead(items, planner, uses, files)
+            for i, req in enumerate(items):
                 if req.type != LoadItemType.TENSOR:
                     raise CorruptCheckpointError(
                         f"{req.storage_index.fqn}: the checkpoint asks for a non-tensor read"
                     )
-                target = planner.resolve_tensor(req).detach()
-                if uses[req.storage_index] == 1 and self._fits_whole(req, target):
+                if i in ahead:  # read (and checked) already, in parallel
+                    target = ahead[i][0]
+                    ahead[i][1].result()
+                else:
+                    target = planner.resolve_tensor(req).detach()
+                if i in ahead:
+                    pass  # nothing left to read
+                elif uses[req.storage_index] == 1 and self._fits_whole(req, target):
                     # The common case (same world size): bytes go straight into the
                     # target, no staging buffer, no second copy.
                     self._read_chunk(req.storage_index, files, opened, into=target)
@@ -250,6 +258,33 @@ class ShardReader(StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _read_ahead(
+        self, items: list, planner: LoadPlanner, uses: Counter, stack: contextlib.ExitStack
+    ) -> dict[int, tuple[torch.Tensor, Any]]:
+        """On an object store, every chunk that goes straight into its target is fetched
+        (and checked) in parallel: position in ``items`` -> (target, future). A request
+        has a latency that a local read does not; ranges of one large chunk are already
+        fetched in parallel by ``Store.read_into``."""
+        if not isinstance(self.directory, RemotePath):
+            return {}
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .remote import concurrency
+
+        pool = stack.enter_context(
+            ThreadPoolExecutor(concurrency(), thread_name_prefix="unbroken-read")
+        )
+        stack.callback(lambda: [f.cancel() for _, f in ahead.values()])
+        ahead: dict[int, tuple[torch.Tensor, Any]] = {}
+        for i, req in enumerate(items):
+            if req.type != LoadItemType.TENSOR:
+                continue
+            target = planner.resolve_tensor(req).detach()
+            if uses[req.storage_index] == 1 and self._fits_whole(req, target):
+                job = pool.submit(self._read_chunk, req.storage_index, stack, {}, into=target)
+                ahead[i] = (target, job)
+        return ahead
 
     def _location(self, index: MetadataIndex) -> ChunkLocation:
         return self.metadata.storage_data[index]
