@@ -283,6 +283,9 @@ class RemoteCheckpointDir(CheckpointDir):
             if not _STEP_RE.match(top):
                 continue
             folder = self.root / top
+            saves = {shard_save_id(r) for r in members if r != MANIFEST}
+            if MANIFEST in members and len(saves) <= 1 and None not in saves:
+                continue  # one save's objects and its manifest: nothing left over
             keep = set(self._listed_files(folder)) | {MANIFEST} if MANIFEST in members else set()
             stale = [r for r, i in members.items() if r not in keep and i["age"] >= limit]
             self.store.delete([(folder / r).key for r in stale])
