@@ -114,8 +114,10 @@ class Checkpointer:
             }
         ]
         # Rank 0 appends every tracked step to metrics.jsonl; the lineage names its segment.
+        # (On an object store, where nothing can be appended, the manifest's window is
+        # the record: metrics.jsonl is kept beside local checkpoints only.)
         self._metrics = MetricLog(
-            self._dir.root if collective.rank() == 0 else None,
+            self._dir.root if collective.rank() == 0 and not self._dir.remote else None,
             world_size=collective.world_size(),
         )
         self._lineage[0]["segment"] = self._metrics.segment
@@ -377,7 +379,8 @@ class Checkpointer:
 
     def _start_replay(self, resumed: int, saved_by: str | None, world: int, reset: list) -> None:
         def build() -> ReplayCheck:
-            return ReplayCheck.from_file(self._dir.root, resumed, saved_by, world, reset)
+            root = None if self._dir.remote else self._dir.root
+            return ReplayCheck.from_file(root, resumed, saved_by, world, reset)
 
         check = collective.agree(build, only_rank0=True)
         verdict = collective.from_rank0(check.verdict if check is not None else None)

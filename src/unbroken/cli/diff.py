@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -35,10 +34,10 @@ def register(app: typer.Typer) -> None:
 
 def diff_command(
     a: Annotated[
-        Path, typer.Argument(metavar="A", help="Checkpoint A (step folder or run folder).")
+        str, typer.Argument(metavar="A", help="Checkpoint A (step folder or run folder).")
     ],
     b: Annotated[
-        Path, typer.Argument(metavar="B", help="Checkpoint B (step folder or run folder).")
+        str, typer.Argument(metavar="B", help="Checkpoint B (step folder or run folder).")
     ],
     full: Annotated[
         bool, typer.Option("--full", help="Compare bytes even where fingerprints agree.")

@@ -43,7 +43,9 @@ def register(app: typer.Typer) -> None:
 
 
 def export_command(
-    path: Annotated[Path, typer.Argument(metavar="DIR", help="A run folder or one step folder.")],
+    path: Annotated[
+        str, typer.Argument(metavar="DIR", help="A run folder or one step folder (or URL).")
+    ],
     to: Annotated[Path, typer.Option("--to", help="The .safetensors file to write.")],
     dtype: Annotated[
         ExportDtype | None, typer.Option("--dtype", help="Cast floating-point weights.")

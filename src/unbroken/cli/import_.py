@@ -50,7 +50,7 @@ def import_command(
         Path, typer.Argument(metavar="SRC", help="A torch.save file or a DCP directory.")
     ],
     dest: Annotated[
-        Path, typer.Argument(metavar="DIR", help="The run folder to save the checkpoint in.")
+        str, typer.Argument(metavar="DIR", help="The run folder (or URL) to save it in.")
     ],
     model: Annotated[
         str, typer.Option("--model", help="package.module:factory building the live objects.")

@@ -49,7 +49,9 @@ def register(app: typer.Typer) -> None:
 
 
 def inspect_command(
-    path: Annotated[Path, typer.Argument(metavar="DIR", help="A run folder or one step folder.")],
+    path: Annotated[
+        str, typer.Argument(metavar="DIR", help="A run folder or one step folder (or URL).")
+    ],
     step: StepOption = None,
     as_json: JsonOption = False,
 ) -> None:

@@ -46,7 +46,9 @@ def register(app: typer.Typer) -> None:
 
 
 def verify_command(
-    path: Annotated[Path, typer.Argument(metavar="DIR", help="A run folder or one step folder.")],
+    path: Annotated[
+        str, typer.Argument(metavar="DIR", help="A run folder or one step folder (or URL).")
+    ],
     step: StepOption = None,
     every: Annotated[bool, typer.Option("--all", help="Verify every committed step.")] = False,
     as_json: JsonOption = False,

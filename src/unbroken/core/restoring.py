@@ -19,6 +19,7 @@ from ..errors import (
     StateMismatchError,
 )
 from ..format import files, manifest, schema, tree
+from ..format.remote import RemotePath
 from ..format.shards import ShardReader, quiet_single_process
 from ..live import probe, snapshot
 from ..live.optimizer import OptimizerComponent
@@ -28,6 +29,11 @@ from . import collective, verify
 from .saving import component_prefix, unwrap
 
 logger = logging.getLogger(__name__)
+
+
+def ckdir_remote(folder: Any) -> bool:
+    """Whether ``folder`` is on an object store (a ``RemotePath``)."""
+    return isinstance(folder, RemotePath)
 
 
 def check_folder(folder: Path) -> dict[str, Any]:
@@ -118,7 +124,8 @@ def restore(
     targets = collective.agree(build_targets)
     assert targets is not None
     loaded = verify.LoadedFingerprints(targets)
-    reader = ShardReader(str(folder), doc["tensors"], on_loaded=loaded.loaded)
+    where = folder if ckdir_remote(folder) else str(folder)
+    reader = ShardReader(where, doc["tensors"], on_loaded=loaded.loaded)
     try:
         with quiet_single_process():
             dcp.load(

@@ -173,7 +173,7 @@ def lost_manifests(ckdir: CheckpointDir) -> list[str]:
 
 def _entries(ckdir: CheckpointDir) -> list[str] | None:
     try:
-        return sorted(os.listdir(ckdir.root))
+        return ckdir.listdir() or (None if ckdir.remote else [])
     except FileNotFoundError:
         return None
     except NotADirectoryError:
@@ -202,7 +202,7 @@ def _look(ckdir: CheckpointDir) -> tuple[str, bool]:
         if not ours:
             return f"{root} is empty", False
         return f"{root} holds no committed checkpoint (only {', '.join(ours)})", False
-    shown = [e + ("/" if (root / e).is_dir() else "") for e in foreign[:_SHOWN]]
+    shown = [e + ("/" if ckdir.is_folder(e) else "") for e in foreign[:_SHOWN]]
     more = f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else ""
     return (
         f"{root} holds no committed unbroken checkpoint but {', '.join(shown)}{more} "

@@ -153,7 +153,7 @@ def _digest(state: Any, name: str) -> str:
     return h.hexdigest()
 
 
-def write(ckdir: CheckpointDir, staged: Staged) -> Path:
+def write(ckdir: CheckpointDir, staged: Staged) -> Path | Any:
     """Write and commit a staged checkpoint; collective. Returns the committed folder.
 
     Rank 0 holds the folder's save lock throughout, cleans leftovers of crashed saves,
@@ -168,9 +168,10 @@ def write(ckdir: CheckpointDir, staged: Staged) -> Path:
         def prepare() -> str:
             stack.enter_context(ckdir.save_lock())
             ckdir.clean_leftovers()
-            return str(ckdir.new_partial(step))
+            return ckdir.token(ckdir.new_partial(step))
 
-        partial = Path(collective.from_rank0(collective.agree(prepare, only_rank0=True)))
+        token = collective.from_rank0(collective.agree(prepare, only_rank0=True))
+        partial = ckdir.from_token(token)
         try:
             final = _write(ckdir, partial, staged, rank)
         except BaseException:
@@ -190,7 +191,8 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
     whole_here = per_rank_keys | (
         {k for k, t in flat.items() if not isinstance(t, DTensor)} if rank == 0 else set()
     )
-    writer = ShardWriter(str(partial), rank=rank)
+    where = partial if ckdir.remote else str(partial)
+    writer = ShardWriter(where, rank=rank, name=ckdir.shard_name(partial, rank))
     # Fingerprints are computed while DCP writes: file I/O and torch kernels both
     # release the GIL, so the two overlap on separate cores.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-fp") as pool:
@@ -216,12 +218,11 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
     gathered = collective.gather_all(local)
 
     def commit() -> Path:
-        body = _manifest_body(request, staged, writer, gathered)
-        manifest.write(partial, body)
-        return ckdir.commit(partial, request.step, retire=request.retire)
+        data = manifest.encode(partial, _manifest_body(request, staged, writer, gathered))
+        return ckdir.commit(partial, request.step, retire=request.retire, manifest=data)
 
     final = collective.agree(commit, only_rank0=True)
-    return Path(collective.from_rank0(str(final) if final else None))
+    return ckdir.from_token(collective.from_rank0(str(final) if final else None))
 
 
 def _manifest_body(

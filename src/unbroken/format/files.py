@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptCheckpointError
+from .remote import RemotePath
 
 MANIFEST = "manifest.json"
 ALLOW_SPARSE = "UNBROKEN_ALLOW_SPARSE"  # set to 1 where allocation is not reported
@@ -26,7 +27,7 @@ _HOLES_ALLOWED = 1 << 20  # unallocated bytes a file may have (block rounding, t
 
 def refuse_links(folder: Path) -> None:
     """Raise if the step folder itself is a symbolic link (checkpoints never are)."""
-    if folder.is_symlink():
+    if not isinstance(folder, RemotePath) and folder.is_symlink():
         raise CorruptCheckpointError(f"{folder} is a symbolic link; checkpoints never are")
 
 
@@ -52,6 +53,13 @@ def _sparse(path: Path, st: os.stat_result) -> str | None:
 
 def file_problem(path: Path, size: int) -> str | None:
     """Why the listed file ``path`` of recorded ``size`` must not be read, or None."""
+    if isinstance(path, RemotePath):
+        info = path.store.info(path.key)
+        if info is None:
+            return f"{path} is missing"
+        if info["size"] != size:
+            return f"{path} is {info['size']} bytes, the manifest says {size}: it was truncated"
+        return None
     try:
         st = os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
@@ -71,7 +79,12 @@ def file_problem(path: Path, size: int) -> str | None:
 
 def problems(folder: Path, listed: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
     """(file name, message) for every listed file that must not be read and every file
-    in ``folder`` that the manifest does not list, by name."""
+    in ``folder`` that the manifest does not list, by name.
+
+    On an object store, objects the manifest does not list are not damage: they are a
+    crashed or losing save's uploads (remote_dir.py), which a later save removes."""
+    if isinstance(folder, RemotePath):
+        return _remote_problems(folder, listed)
     found = []
     for name, rec in sorted(listed.items()):
         why = file_problem(folder / name, rec["size"])
@@ -87,9 +100,26 @@ def problems(folder: Path, listed: Mapping[str, Mapping[str, Any]]) -> list[tupl
     return found
 
 
+def _remote_problems(
+    folder: RemotePath, listed: Mapping[str, Mapping[str, Any]]
+) -> list[tuple[str, str]]:
+    present = {rel: info for rel, info in folder.iter_files() if "/" not in rel}
+    found = []
+    for name, rec in sorted(listed.items()):
+        if name not in present:
+            found.append((name, f"{folder / name} is missing"))
+        elif present[name]["size"] != rec["size"]:
+            found.append((name, f"{folder / name} is {present[name]['size']} bytes, the "
+                                f"manifest says {rec['size']}: it was truncated or altered"))  # fmt: skip
+    return found
+
+
 def shard_budget(folder: Path) -> tuple[int, int]:
     """(plain files other than the manifest, bytes they take on disk) in ``folder``: what a
     manifest's size is judged against before it is parsed."""
+    if isinstance(folder, RemotePath):
+        sizes = [i["size"] for rel, i in folder.iter_files() if rel != MANIFEST and "/" not in rel]
+        return len(sizes), sum(sizes)
     count = held = 0
     with os.scandir(folder) as entries:
         for entry in entries:

@@ -17,6 +17,7 @@ import errno
 import fcntl
 import os
 import shutil
+import socket
 import struct
 import sys
 from pathlib import Path
@@ -105,7 +106,11 @@ Identity = tuple[int, int, int]
 
 def identity(folder: Path) -> Identity | None:
     """What :func:`vanished` compares: the folder's device, inode and change time (None
-    if it is not there). Take it before reading a checkpoint."""
+    if it is not there). Take it before reading a checkpoint. On an object store: its
+    manifest object's identity (ETag), which a re-save or a removal changes."""
+    if hasattr(folder, "store"):  # a RemotePath (imported nowhere here: no cycle)
+        info = folder.store.info((folder / "manifest.json").key)
+        return None if info is None else (0, 0, hash(info["etag"]))
     try:
         st = os.stat(folder)
     except OSError:
@@ -136,6 +141,8 @@ def fsync_dir(path: Path) -> None:
 def free_space(path: str | os.PathLike) -> str:
     """Free space on the file system holding ``path`` (or its nearest existing parent),
     readable (``"1.5 MiB"``); ``"unknown"`` if it cannot be told."""
+    if not isinstance(path, (str, os.PathLike)):  # an object store's: not a disk
+        return "unknown"
     here = Path(path)
     while not here.exists() and here != here.parent:
         here = here.parent
@@ -183,3 +190,48 @@ def writing(path: str | os.PathLike, doing: str, fix: str):
         raise
     except OSError as exc:
         raise write_error(exc.filename or path, exc, doing, fix) from exc
+
+
+@contextlib.contextmanager
+def save_lock(root: Path, lock: Path, fix: str):
+    """Hold the save lock file ``lock`` in ``root`` (see ``CheckpointDir.save_lock``)."""
+    with writing(lock, "creating", fix):
+        root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if not try_lock(fd):
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+            raise CheckpointError(
+                f"another save into {root} is in progress ({holder}); two jobs "
+                "must not share a checkpoint folder: stop the other job or use another path"
+            )
+        with contextlib.suppress(OSError):  # who holds it: a courtesy for that message
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def saving_now(lock: Path) -> bool:
+    """Whether a save holds ``lock``, asked without taking it; True when it cannot be told."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True
+    try:
+        return is_locked(fd)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, data: bytes, fix: str) -> None:
+    """Write ``data`` as the new file ``path`` and fsync it."""
+    with writing(path, "writing", fix), open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())

@@ -21,7 +21,8 @@ import xxhash
 
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import files, schema
-from .filesystem import SAVE_FIX, writing
+from .filesystem import SAVE_FIX, write_synced
+from .remote import RemotePath
 from .schema import DTYPES
 from .storage import folder_step, step_dir_name
 
@@ -50,12 +51,11 @@ def _digest(body: dict[str, Any]) -> str:
     return xxhash.xxh3_128_hexdigest(data.encode())
 
 
-def write(directory: Path, body: dict[str, Any]) -> None:
-    """Write ``manifest.json`` (with its own checksum) and fsync it.
+def encode(directory: Path | RemotePath, body: dict[str, Any]) -> bytes:
+    """The bytes of ``manifest.json`` (with its own checksum) for the checkpoint being
+    saved in ``directory``, which :meth:`CheckpointDir.commit` writes last.
 
     Raises:
-        CheckpointError: the write failed (a full disk, say), naming the path and the
-            free space.
         CheckpointError: the manifest is larger than :func:`read` accepts beside the
             shard files written with it (too much state that is not tensors): a
             checkpoint no restore could read is never committed.
@@ -64,17 +64,24 @@ def write(directory: Path, body: dict[str, Any]) -> None:
     doc["manifest_checksum"] = _digest(doc)
     path = directory / "manifest.json"
     data = json.dumps(_layout(doc), indent=1, allow_nan=False).encode()
-    count, held = files.shard_budget(directory)
+    if isinstance(directory, RemotePath):  # a store's listing holds other saves' objects
+        sizes = [rec["size"] for rec in body.get("files", {}).values()]
+        count, held = len(sizes), sum(sizes)
+    else:
+        count, held = files.shard_budget(directory)
     if len(data) > _size_limit(count, held):
         raise CheckpointError(
             f"{path} would be {len(data)} bytes, more than readers accept beside {count} "
             f"shard file(s) of {held} bytes ({_size_limit(count, held)}): the state holds too "
             "much that is not tensors; return large values as tensors from state_dict()"
         )
-    with writing(path, "writing", SAVE_FIX), open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    return data
+
+
+def write(directory: Path, body: dict[str, Any]) -> None:
+    """Write ``manifest.json`` into the local folder ``directory`` and fsync it (see
+    :func:`encode`; a write error names the path and the free space)."""
+    write_synced(directory / "manifest.json", encode(directory, body), SAVE_FIX)
 
 
 def _size_limit(count: int, held: int) -> int:
@@ -124,7 +131,10 @@ def read(directory: Path) -> dict[str, Any]:
     path = directory / "manifest.json"
     try:
         files.refuse_links(directory)
-        text = _read_bounded(path, directory)
+        if isinstance(directory, RemotePath):
+            text = _read_remote(path, directory)
+        else:
+            text = _read_bounded(path, directory)
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{path} is missing: {directory} is not a committed checkpoint (a step folder "
@@ -185,6 +195,26 @@ def _read_bounded(path: Path, directory: Path) -> bytes:
                 "checkpoint is damaged or hostile"
             )
         data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CorruptCheckpointError(f"{path} grew while it was read; it is damaged")
+    return data
+
+
+def _read_remote(path: RemotePath, directory: RemotePath) -> bytes:
+    """:func:`_read_bounded` on a store: the object's size is judged before its bytes are
+    fetched (against every object beside it: other saves' leftovers only raise the bound)."""
+    info = path.store.info(path.key)
+    if info is None:
+        raise FileNotFoundError(str(path))
+    count, held = files.shard_budget(directory)
+    limit = _size_limit(count, held)
+    if info["size"] > limit:
+        raise CorruptCheckpointError(
+            f"{path} is {info['size']} bytes, more than a checkpoint of {count} shard "
+            f"object(s) of {held} bytes can need ({limit}); it was not parsed: the "
+            "checkpoint is damaged or hostile"
+        )
+    data = path.store.read(path.key)
     if len(data) > limit:
         raise CorruptCheckpointError(f"{path} grew while it was read; it is damaged")
     return data

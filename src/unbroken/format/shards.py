@@ -39,6 +39,7 @@ from torch.futures import Future
 
 from ..errors import CorruptCheckpointError
 from .filesystem import SAVE_FIX, writing
+from .remote import RemotePath
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,21 +80,24 @@ def checksum(data: memoryview | bytes) -> str:
 
 
 class ShardWriter(StorageWriter):
-    """Writes this rank's tensors to ``rank_NNNNN.bin`` in ``directory``; fsyncs it.
+    """Writes this rank's tensors to ``name`` (``rank_NNNNN.bin``) in ``directory``; fsyncs
+    it. On an object store (``directory`` a ``RemotePath``) the object is uploaded in
+    parallel parts straight from the tensors' memory.
 
     After ``dcp.save`` returns, the coordinator's ``metadata`` holds every chunk's
     location across ranks and ``files`` (on each rank) this rank's file record.
     """
 
-    def __init__(self, directory: str, *, rank: int) -> None:
+    def __init__(self, directory: str | RemotePath, *, rank: int, name: str | None = None) -> None:
         super().__init__()
         self.directory = directory
         self.rank = rank
+        self.name = name or shard_file_name(rank)
         self.metadata: Metadata | None = None
         self.file_record: tuple[str, dict[str, object]] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id:
+        if checkpoint_id and not isinstance(self.directory, RemotePath):
             self.directory = os.fspath(checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -106,23 +110,34 @@ class ShardWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        name = shard_file_name(self.rank)
-        path = os.path.join(self.directory, name)
+        name = self.name
         results: list[WriteResult] = []
+        remote = isinstance(self.directory, RemotePath)
+        segments: list[memoryview] = []  # a store's object is uploaded whole, in parts
+        path = self.directory / name if remote else os.path.join(self.directory, name)
         offset = 0
-        with writing(path, "writing", SAVE_FIX), open(path, "wb") as f:
+        with contextlib.ExitStack() as stack:
+            if not remote:
+                stack.enter_context(writing(path, "writing", SAVE_FIX))
+                f = stack.enter_context(open(path, "wb"))
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
                     raise TypeError(
                         f"{item.index.fqn}: only tensors go to shard files (a bug in unbroken)"
                     )
                 data = tensor_bytes(planner.resolve_data(item))
-                f.write(data)
+                if remote:
+                    segments.append(data)
+                else:
+                    f.write(data)
                 location = ChunkLocation(name, offset, len(data), checksum(data))
                 offset += len(data)
                 results.append(WriteResult(item.index, len(data), location))
-            f.flush()
-            os.fsync(f.fileno())
+            if remote:
+                path.store.upload(path.key, segments)
+            else:
+                f.flush()
+                os.fsync(f.fileno())
         chunk_sums = "".join(r.storage_data.checksum for r in results)
         self.file_record = (name, {"size": offset, "checksum": checksum(chunk_sums.encode())})
         future: Future[list[WriteResult]] = Future()
@@ -165,7 +180,7 @@ class ShardReader(StorageReader):
 
     def __init__(
         self,
-        directory: str,
+        directory: str | RemotePath,
         entries: dict[str, dict],
         *,
         on_loaded: Callable[[str], None] | None = None,
@@ -197,15 +212,23 @@ class ShardReader(StorageReader):
         cache: dict[MetadataIndex, torch.Tensor] = {}
         remaining = Counter(req.dest_index.fqn for req in plan.items)
         uses = Counter(req.storage_index for req in plan.items)
+        items = sorted(plan.items, key=lambda r: self._location(r.storage_index).offset)
         with contextlib.ExitStack() as files:
             opened: dict[str, Any] = {}
-            for req in sorted(plan.items, key=lambda r: self._location(r.storage_index).offset):
+            ahead = self._read_ahead(items, planner, uses, files)
+            for i, req in enumerate(items):
                 if req.type != LoadItemType.TENSOR:
                     raise CorruptCheckpointError(
                         f"{req.storage_index.fqn}: the checkpoint asks for a non-tensor read"
                     )
-                target = planner.resolve_tensor(req).detach()
-                if uses[req.storage_index] == 1 and self._fits_whole(req, target):
+                if i in ahead:  # read (and checked) already, in parallel
+                    target = ahead[i][0]
+                    ahead[i][1].result()
+                else:
+                    target = planner.resolve_tensor(req).detach()
+                if i in ahead:
+                    pass  # nothing left to read
+                elif uses[req.storage_index] == 1 and self._fits_whole(req, target):
                     # The common case (same world size): bytes go straight into the
                     # target, no staging buffer, no second copy.
                     self._read_chunk(req.storage_index, files, opened, into=target)
@@ -235,6 +258,33 @@ class ShardReader(StorageReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _read_ahead(
+        self, items: list, planner: LoadPlanner, uses: Counter, stack: contextlib.ExitStack
+    ) -> dict[int, tuple[torch.Tensor, Any]]:
+        """On an object store, every chunk that goes straight into its target is fetched
+        (and checked) in parallel: position in ``items`` -> (target, future). A request
+        has a latency that a local read does not; ranges of one large chunk are already
+        fetched in parallel by ``Store.read_into``."""
+        if not isinstance(self.directory, RemotePath):
+            return {}
+        from concurrent.futures import ThreadPoolExecutor
+
+        from .remote import concurrency
+
+        pool = stack.enter_context(
+            ThreadPoolExecutor(concurrency(), thread_name_prefix="unbroken-read")
+        )
+        stack.callback(lambda: [f.cancel() for _, f in ahead.values()])
+        ahead: dict[int, tuple[torch.Tensor, Any]] = {}
+        for i, req in enumerate(items):
+            if req.type != LoadItemType.TENSOR:
+                continue
+            target = planner.resolve_tensor(req).detach()
+            if uses[req.storage_index] == 1 and self._fits_whole(req, target):
+                job = pool.submit(self._read_chunk, req.storage_index, stack, {}, into=target)
+                ahead[i] = (target, job)
+        return ahead
 
     def _location(self, index: MetadataIndex) -> ChunkLocation:
         return self.metadata.storage_data[index]
@@ -268,7 +318,8 @@ class ShardReader(StorageReader):
         dtype = self.metadata.state_dict_metadata[index.fqn].properties.dtype
         out = into if into is not None else torch.empty(sizes, dtype=dtype)
         expected = out.numel() * out.element_size()
-        path = os.path.join(self.directory, loc.file)
+        remote = isinstance(self.directory, RemotePath)
+        path = self.directory / loc.file if remote else os.path.join(self.directory, loc.file)
         if loc.length != expected:
             raise CorruptCheckpointError(
                 f"{path}: chunk of {index.fqn!r} is recorded as {loc.length} bytes but its "
@@ -277,11 +328,14 @@ class ShardReader(StorageReader):
         if expected:
             buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
             try:
-                if path not in opened:
-                    opened[path] = files.enter_context(open(path, "rb"))  # noqa: SIM115
-                f = opened[path]
-                f.seek(loc.offset)
-                got = f.readinto(buf)
+                if remote:
+                    got = path.store.read_into(path.key, loc.offset, buf)
+                else:
+                    if path not in opened:
+                        opened[path] = files.enter_context(open(path, "rb"))  # noqa: SIM115
+                    f = opened[path]
+                    f.seek(loc.offset)
+                    got = f.readinto(buf)
             except FileNotFoundError:
                 raise CorruptCheckpointError(
                     f"{path} is missing; this checkpoint cannot be restored, use an older step"

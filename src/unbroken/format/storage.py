@@ -31,17 +31,17 @@ import logging
 import os
 import re
 import shutil
-import socket
 import stat
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointError
 from . import filesystem
 from .filesystem import SAVE_FIX as _FIX
 from .filesystem import fsync_dir, writing
+from .remote import is_url
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def step_dir_name(step: int) -> str:
 
 def folder_step(path: str | os.PathLike) -> int | None:
     """The step a folder's name says (``step_00000200`` -> 200), or None."""
-    m = _STEP_RE.match(Path(path).name)
+    m = _STEP_RE.match(getattr(path, "name", None) or Path(path).name)
     return int(m.group(1)) if m else None
 
 
@@ -76,15 +76,25 @@ def has_manifest(folder: Path) -> bool | None:
 
 
 class CheckpointDir:
-    """The root folder of one training run's checkpoints (a local path)."""
+    """The root folder of one training run's checkpoints.
+
+    ``CheckpointDir(path)`` is this local back-end; ``CheckpointDir("s3://...")`` (any
+    fsspec URL but ``file://``) is the object-store one, ``remote_dir.RemoteCheckpointDir``:
+    the same operations with a manifest-last commit and no rename or lock.
+    """
+
+    remote = False
+
+    def __new__(cls, root: str | os.PathLike) -> CheckpointDir:
+        if cls is CheckpointDir and is_url(str(root)):
+            from .remote_dir import RemoteCheckpointDir  # fsspec is optional
+
+            return super().__new__(RemoteCheckpointDir)
+        return super().__new__(cls)
 
     def __init__(self, root: str | os.PathLike) -> None:
         text = os.fspath(root)
         if "://" in text:
-            if not text.startswith("file://"):
-                raise ValueError(
-                    f"path {text!r}: only local paths (or file:// URLs) are supported so far"
-                )
             text = text.removeprefix("file://")
         self.root = Path(text)
         self._removals: list[threading.Thread] = []
@@ -139,46 +149,37 @@ class CheckpointDir:
                 "folder, or bring those files in with `unbroken import`"
             )
 
-    @contextlib.contextmanager
-    def save_lock(self) -> Iterator[None]:
+    def save_lock(self) -> contextlib.AbstractContextManager[None]:
         """Hold the folder's save lock (one saver at a time); fail at once if taken.
 
         Two jobs saving into one folder (a misconfigured relaunch) would otherwise clean
         up or overwrite each other's work; the loser gets a clear error instead. Readers
         never take it (see :meth:`saving_now`).
         """
-        with writing(self.root / LOCK, "creating", _FIX):
-            self.root.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            if not filesystem.try_lock(fd):
-                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
-                raise CheckpointError(
-                    f"another save into {self.root} is in progress ({holder}); two jobs "
-                    "must not share a checkpoint folder: stop the other job or use another path"
-                )
-            with contextlib.suppress(OSError):  # who holds it: a courtesy for that message
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
-            yield
-        finally:
-            os.close(fd)
+        return filesystem.save_lock(self.root, self.root / LOCK, _FIX)
 
     def saving_now(self) -> bool:
         """Whether a save holds the save lock right now, asked without taking it (so a
         reader never makes a save fail). True when it cannot be told."""
-        try:
-            fd = os.open(self.root / LOCK, os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        except OSError:
-            return True
-        try:
-            return filesystem.is_locked(fd)
-        except OSError:
-            return True
-        finally:
-            os.close(fd)
+        return filesystem.saving_now(self.root / LOCK)
+
+    def token(self, partial: Path) -> str:
+        """``partial`` as text, for the other ranks (:meth:`from_token`)."""
+        return str(partial)
+
+    def from_token(self, text: str) -> Path:
+        return Path(text)
+
+    def shard_name(self, partial: Path, rank: int) -> str:
+        """The name of ``rank``'s shard file in the partial save ``partial``."""
+        return f"rank_{rank:05d}.bin"
+
+    def listdir(self) -> list[str]:
+        """The names in the root folder (raises FileNotFoundError if there is none)."""
+        return sorted(os.listdir(self.root))
+
+    def is_folder(self, name: str) -> bool:
+        return (self.root / name).is_dir()
 
     def new_partial(self, step: int) -> Path:
         path = self.root / f".partial-{step_dir_name(step)}-{uuid.uuid4().hex[:12]}"
@@ -187,14 +188,19 @@ class CheckpointDir:
             path.mkdir()
         return path
 
-    def commit(self, partial: Path, step: int, *, retire: Sequence[int] = ()) -> Path:
-        """Make ``partial`` the committed checkpoint of ``step`` (atomic rename).
+    def commit(
+        self, partial: Path, step: int, *, retire: Sequence[int] = (), manifest: bytes = b""
+    ) -> Path:
+        """Write ``manifest`` (its bytes; if given) into ``partial`` and make it the
+        committed checkpoint of ``step`` (atomic rename).
 
         ``retire``: committed steps of an abandoned branch, renamed aside first (see
         :meth:`retire`); if the commit then fails, they are put back. Raises
         ``CheckpointError`` (naming the path and the free space) having committed
         nothing, or returns the committed folder.
         """
+        if manifest:
+            filesystem.write_synced(partial / MANIFEST, manifest, _FIX)
         retired = self.retire(retire)
         try:
             with writing(partial, "committing", _FIX):

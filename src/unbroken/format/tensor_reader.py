@@ -9,6 +9,7 @@ checksum is checked before its bytes are used.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ import xxhash
 from ..errors import CheckpointError, CorruptCheckpointError
 from . import files
 from .manifest import DTYPES, require_native_byteorder
+from .remote import RemotePath
 
 
 class TensorReader:
@@ -42,12 +44,12 @@ class TensorReader:
 
     def __init__(
         self,
-        folder: str | Path,
+        folder: str | Path | RemotePath,
         doc: dict[str, Any],
         *,
         on_bytes: Callable[[int], None] | None = None,
     ) -> None:
-        self.folder = Path(folder)
+        self.folder = folder if isinstance(folder, RemotePath) else Path(folder)
         self.doc = doc
         self.on_bytes = on_bytes
         self._files: dict[str, IO[bytes]] = {}
@@ -102,7 +104,10 @@ class TensorReader:
             f = self._open(path, chunk["file"])
             got = 0
             while got < length:
-                n = _read_into(f, chunk["offset"] + got, buf[got:], path)
+                if isinstance(path, RemotePath):  # parallel ranged reads
+                    n = _read_remote(path, chunk["offset"] + got, buf[got:])
+                else:
+                    n = _read_into(f, chunk["offset"] + got, buf[got:], path)
                 if not n:
                     raise CorruptCheckpointError(
                         f"{path} is truncated: {key!r} needs bytes {chunk['offset']}.."
@@ -130,6 +135,9 @@ class TensorReader:
             why = files.file_problem(path, record["size"]) if record else f"{path} is unlisted"
             if why is not None:
                 raise CorruptCheckpointError(why)
+            if isinstance(path, RemotePath):  # read by ranges: nothing stays open
+                self._files[name] = io.BytesIO()
+                return self._files[name]
             try:
                 f = open(path, "rb", opener=_no_follow)  # noqa: SIM115 - closed in close()
             except FileNotFoundError:
@@ -148,6 +156,13 @@ def _read_into(f: IO[bytes], offset: int, buf: memoryview, path: Path) -> int:
         return f.readinto(buf) or 0
     except OSError as exc:  # an I/O error: the file is as unusable as a missing one
         raise CorruptCheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
+
+
+def _read_remote(path: RemotePath, offset: int, buf: memoryview) -> int:
+    try:
+        return path.store.read_into(path.key, offset, buf)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{path} is missing") from None
 
 
 def _no_follow(path: str, flags: int) -> int:

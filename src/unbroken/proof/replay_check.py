@@ -94,7 +94,7 @@ class ReplayCheck:
     @classmethod
     def from_file(
         cls,
-        root: Path,
+        root: Path | None,
         from_step: int,
         saved_by: str | None,
         world_size: int,
@@ -103,10 +103,13 @@ class ReplayCheck:
         """The check of a resume from ``from_step``, whose checkpoint was saved by the
         metrics segment ``saved_by`` (None: an older checkpoint that records none), with
         ``reset`` components started fresh on purpose."""
-        try:
-            reference, reason = _reference(root / FILE, from_step, saved_by, world_size)
-        except (OSError, ValueError, TypeError) as exc:  # never fail a restore over it
-            reference, reason = {}, f"{root / FILE} is unreadable: {exc}"
+        if root is None:  # an object store: metrics.jsonl is kept in local folders only
+            reference, reason = {}, f"no {FILE} beside checkpoints on an object store"
+        else:
+            try:
+                reference, reason = _reference(root / FILE, from_step, saved_by, world_size)
+            except (OSError, ValueError, TypeError) as exc:  # never fail a restore over it
+                reference, reason = {}, f"{root / FILE} is unreadable: {exc}"
         if reason is not None:
             verdict = ReplayVerdict(SKIPPED, from_step, reason=reason)
         elif not reference:

@@ -23,6 +23,7 @@ import xxhash
 
 from ..errors import CheckpointError
 from ..format import files, filesystem, fingerprint, manifest, tree
+from ..format.remote import location
 from ..format.storage import MANIFEST, folder_step
 from ..format.tensor_reader import TensorReader
 from .coverage import optimizer_coverage
@@ -76,7 +77,7 @@ def audit(folder: str | Path, *, on_bytes: Callable[[int], None] | None = None) 
         folder: the step folder.
         on_bytes: called with the byte count of each chunk read (progress).
     """
-    folder = Path(folder)
+    folder = location(folder)
     report = AuditReport(path=str(folder), step=folder_step(folder))
     seen = filesystem.identity(folder)
     _audit(folder, report, on_bytes)

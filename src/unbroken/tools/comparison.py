@@ -23,6 +23,7 @@ from typing import Any, Literal
 import torch
 
 from ..format import manifest
+from ..format.remote import location
 from ..format.tensor_reader import TensorReader
 from ..proof.generators import differing, label
 from .inspection import component_skeletons, tensor_components
@@ -103,7 +104,7 @@ def diff(
     Raises:
         CorruptCheckpointError: a manifest or a chunk that must be read is damaged.
     """
-    a, b = Path(a), Path(b)
+    a, b = location(a), location(b)
     doc_a, doc_b = manifest.read(a), manifest.read(b)
     same_world = doc_a["world_size"] == doc_b["world_size"]
     owner_a, owner_b = tensor_components(doc_a), tensor_components(doc_b)

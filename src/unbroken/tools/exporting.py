@@ -34,6 +34,7 @@ from .._version import __version__
 from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
 from ..format import fingerprint, manifest, tree
 from ..format.manifest import DTYPES
+from ..format.remote import location
 from ..format.shards import tensor_bytes
 from ..format.tensor_reader import TensorReader
 from .inspection import model_fqns
@@ -126,8 +127,8 @@ def export_safetensors(
         IncompleteCheckpointError: the checkpoint has no model.
         CheckpointError: ``to`` lies inside the checkpoint folder.
     """
-    folder, to = Path(folder), Path(to)
-    if to.resolve().is_relative_to(folder.resolve()):
+    folder, to = location(folder), Path(to)
+    if isinstance(folder, Path) and to.resolve().is_relative_to(folder.resolve()):
         raise CheckpointError(f"refusing to write {to} inside the checkpoint folder {folder}")
     doc = manifest.read(folder)
     if "model" not in doc["components"]:

@@ -14,13 +14,17 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format import filesystem, manifest, tree
+from ..format.remote import RemotePath, location
 from ..format.storage import MANIFEST, RETIRED, CheckpointDir, folder_step, has_manifest
 from ..format.tensor_reader import tensor_nbytes
 
 MAX_RELISTS = 100  # how often a listing may be redone because a save changed the folder
 
 
-def is_step_folder(path: Path) -> bool:
+def is_step_folder(path: str | Path | RemotePath) -> bool:
+    path = location(path)
+    if isinstance(path, RemotePath):
+        return path.store.info((path / MANIFEST).key) is not None
     return path.is_dir() and has_manifest(path) is not False  # unreadable: read, and named
 
 
@@ -32,10 +36,12 @@ def locate(path: str | Path, step: int | None = None) -> Path:
     Raises:
         CheckpointNotFoundError: no such path, not a checkpoint, or no such step.
     """
-    path = Path(path)
+    path = location(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path} does not exist")
-    if not path.is_dir():
+    if isinstance(path, RemotePath):
+        pass  # an object store has no files standing in for folders
+    elif not path.is_dir():
         raise CheckpointNotFoundError(
             f"{path} is a file, not a checkpoint folder; pass a run folder (holding step_* "
             "folders) or one step folder"
@@ -88,7 +94,7 @@ def _lost_text(ckdir: CheckpointDir, steps: list[int]) -> str:
 def step_folders(path: str | Path, *, damaged: bool = False) -> list[Path]:
     """Every committed step folder under ``path`` (itself, if it is a step folder), by
     step; with ``damaged``, also the step folders that lost their manifest.json."""
-    path = Path(path)
+    path = location(path)
     locate(path)  # raises a clear error for anything that is not a checkpoint
     if is_step_folder(path):
         return [path]
@@ -114,9 +120,9 @@ class CheckpointSummary:
 
 def summarize(folder: Path) -> CheckpointSummary:
     """Summary of one step folder; an unreadable manifest is reported, not raised."""
-    step, committed = folder_step(folder), has_manifest(folder) is not False
+    step, committed = folder_step(folder), _committed(folder)
     try:
-        size = sum(e.stat().st_size for e in os.scandir(folder) if e.is_file())
+        size = _size(folder)
     except OSError as exc:  # no permission, or gone meanwhile
         error = f"{folder} cannot be read ({exc.strerror or exc})"
         return CheckpointSummary(step, str(folder), 0, error=error, committed=committed)
@@ -133,6 +139,22 @@ def summarize(folder: Path) -> CheckpointSummary:
         versions=dict(doc.get("versions", {})),
         lineage=list(doc["lineage"]),
     )
+
+
+def _committed(folder: Path | RemotePath) -> bool:
+    if isinstance(folder, RemotePath):
+        return is_step_folder(folder)
+    return has_manifest(folder) is not False
+
+
+def _size(folder: Path | RemotePath) -> int:
+    if isinstance(folder, RemotePath):  # a store's: its manifest and the files it lists
+        try:
+            listed = set(manifest.read(folder)["files"]) | {MANIFEST}
+        except CheckpointError:
+            listed = {MANIFEST}
+        return sum(i["size"] for rel, i in folder.iter_files() if rel in listed)
+    return sum(e.stat().st_size for e in os.scandir(folder) if e.is_file())
 
 
 def list_checkpoints(path: str | Path) -> list[CheckpointSummary]:
@@ -155,7 +177,7 @@ def list_checkpoints(path: str | Path) -> list[CheckpointSummary]:
 def retired_checkpoints(path: str | Path) -> list[CheckpointSummary]:
     """Checkpoints of abandoned branches kept aside in a run folder (``.retired-step_*``,
     never listed or restored; see :mod:`unbroken.core.branching`), by step."""
-    path = Path(path)
+    path = location(path)
     if is_step_folder(path) and not path.name.startswith(RETIRED):
         return []
     return [summarize(folder) for _, folder in CheckpointDir(path).retired()]

@@ -1,0 +1,308 @@
+"""Object stores (S3 and any fsspec URL): paths, and every request made to them.
+
+A :class:`RemotePath` is what a local ``Path`` is to the rest of ``format/``: the step
+folders, shard files and manifests of a checkpoint on a store. Code that reads or writes
+a checkpoint asks ``isinstance(x, RemotePath)`` and goes through its :class:`Store`.
+
+The store is an fsspec file system, imported only when a URL is used (``import
+unbroken`` never needs fsspec). Its options come from fsspec's own configuration, so
+no new argument is needed: botocore's ``AWS_ENDPOINT_URL``, ``AWS_PROFILE`` and
+credentials chain for S3; ``FSSPEC_S3_<OPTION>`` environment variables or an fsspec
+config file (``FSSPEC_CONFIG_DIR``) for anything else.
+
+Every request is retried with bounded exponential back-off on transient failures
+(dropped connection, 5xx, throttling) on top of the client's own retries, then raised as
+a :class:`~unbroken.errors.CheckpointError` naming the object. Missing objects
+(``FileNotFoundError``), refused permissions and lost conditional writes
+(``FileExistsError``) are answers, not failures, and are never retried.
+
+Tunables (environment): ``UNBROKEN_STORE_RETRIES`` (attempts, default 4),
+``UNBROKEN_STORE_BACKOFF_S`` (first wait, default 0.5 s, doubling),
+``UNBROKEN_STORE_PART_MB`` (upload/read part size, default 32),
+``UNBROKEN_STORE_CONCURRENCY`` (parts in flight per rank, default 8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from ..errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RETRIES_ENV = "UNBROKEN_STORE_RETRIES"
+BACKOFF_ENV = "UNBROKEN_STORE_BACKOFF_S"
+PART_ENV = "UNBROKEN_STORE_PART_MB"
+CONCURRENCY_ENV = "UNBROKEN_STORE_CONCURRENCY"
+_NOT_RETRIED = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)
+_stores: dict[str, Store] = {}
+_stores_lock = threading.Lock()
+
+
+def is_url(text: str) -> bool:
+    """Whether ``text`` names an object store (``s3://``, ``memory://``, ...), not a
+    local path (plain, or ``file://``)."""
+    return "://" in text and not text.startswith("file://")
+
+
+def location(path: str | os.PathLike | RemotePath) -> Path | RemotePath:
+    """A checkpoint location as given by a user: a ``RemotePath`` for a store's URL, else
+    a local ``Path`` (``file://`` URLs too)."""
+    if isinstance(path, RemotePath):
+        return path
+    text = os.fspath(path)
+    return RemotePath.parse(text) if is_url(text) else Path(text.removeprefix("file://"))
+
+
+def _env_number(name: str, default: float, low: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected a number >= {low}") from None
+    if value < low:
+        raise ValueError(f"{name}={raw!r}: expected a number >= {low}")
+    return value
+
+
+def part_size() -> int:
+    return int(_env_number(PART_ENV, 32, 5) * (1 << 20))  # S3 parts are >= 5 MiB
+
+
+def concurrency() -> int:
+    return int(_env_number(CONCURRENCY_ENV, 8, 1))
+
+
+class Store:
+    """One fsspec file system (one protocol, one set of options), shared per process.
+
+    Thread-safe: fsspec's async back-ends run every call on their own event loop thread.
+    """
+
+    def __init__(self, protocol: str, fs: Any) -> None:
+        self.protocol = protocol
+        self.fs = fs
+
+    @classmethod
+    def for_url(cls, url: str) -> tuple[Store, str]:
+        """(the store of ``url``, the key ``url`` names in it)."""
+        try:
+            import fsspec  # optional: only URLs need it
+        except ImportError:
+            raise CheckpointError(
+                f"{url}: checkpoints on object stores need fsspec (and s3fs for s3://): "
+                "pip install 'unbroken[s3]'"
+            ) from None
+        protocol = url.split("://", 1)[0]
+        try:
+            fs, key = fsspec.core.url_to_fs(url)
+        except (ImportError, ValueError) as exc:
+            raise CheckpointError(
+                f"{url}: no file system for {protocol}:// ({exc}); install its fsspec "
+                "back-end (s3fs for s3://, gcsfs for gs://, adlfs for az://)"
+            ) from None
+        with _stores_lock:
+            ident = f"{protocol}:{id(fs)}"
+            store = _stores.get(ident)
+            if store is None:
+                store = _stores[ident] = cls(protocol, fs)
+        return store, key.rstrip("/")
+
+    @property
+    def is_s3(self) -> bool:
+        return hasattr(self.fs, "call_s3")
+
+    def url(self, key: str) -> str:
+        try:
+            return str(self.fs.unstrip_protocol(key))
+        except AttributeError:
+            return f"{self.protocol}://{key}"
+
+    def call(self, doing: str, key: str, fn: Callable[[], T], fix: str = "") -> T:
+        """``fn()``, retried on transient failures, else a ``CheckpointError`` naming
+        the object (``doing`` says what was being done to it)."""
+        attempts = int(_env_number(RETRIES_ENV, 4, 1))
+        wait = _env_number(BACKOFF_ENV, 0.5, 0)
+        for attempt in range(1, attempts + 1):
+            try:
+                return fn()
+            except _NOT_RETRIED:
+                raise
+            except Exception as exc:  # the client's errors are of many types
+                if attempt == attempts:
+                    raise CheckpointError(
+                        f"{doing} {self.url(key)} failed after {attempts} attempt(s): "
+                        f"{type(exc).__name__}: {exc}"
+                        + (f"; {fix}" if fix else "; check the store and try again")
+                    ) from exc
+                logger.warning(
+                    "%s %s failed (%s: %s), attempt %d of %d; retrying in %.1fs",
+                    doing, self.url(key), type(exc).__name__, exc, attempt, attempts, wait,
+                )  # fmt: skip
+                time.sleep(wait)
+                wait *= 2
+        raise AssertionError("unreachable")
+
+    # -- whole objects ---------------------------------------------------------------
+
+    def read(self, key: str) -> bytes:
+        return self.call("reading", key, lambda: self.fs.cat_file(key))
+
+    def info(self, key: str) -> dict[str, Any] | None:
+        """The object's size and identity (``etag``), or None if there is none."""
+
+        def ask() -> dict[str, Any] | None:
+            with contextlib.suppress(AttributeError):
+                self.fs.invalidate_cache(key)
+            try:
+                got = self.fs.info(key)
+            except FileNotFoundError:
+                return None
+            if got.get("type") == "directory":
+                return None
+            return {"size": int(got["size"]), "etag": _etag(got)}
+
+        return self.call("looking up", key, ask)
+
+    def put(self, key: str, data: bytes, *, create: bool = False) -> None:
+        """Write a whole object. ``create``: only if none exists (``If-None-Match: *`` on
+        S3), else ``FileExistsError``; stores without conditional writes check first."""
+        mode = "create" if create else "overwrite"
+        self.call("writing", key, lambda: self.fs.pipe_file(key, data, mode=mode))
+
+    def copy(self, src: str, dst: str) -> None:
+        """Server-side copy where the store has one (S3 CopyObject)."""
+        self.call("copying", src, lambda: self.fs.copy(src, dst))
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete objects; those already gone are no error."""
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                self.call("deleting", key, lambda k=key: self.fs.rm_file(k))
+
+    def listing(self, prefix: str) -> dict[str, dict[str, Any]]:
+        """Every object under ``prefix/`` (recursively): key relative to it -> size,
+        identity and age in seconds. Nothing is cached between calls."""
+
+        def ls() -> dict[str, dict[str, Any]]:
+            with contextlib.suppress(AttributeError):
+                self.fs.invalidate_cache(prefix)
+            try:
+                found = self.fs.find(prefix, detail=True)
+            except FileNotFoundError:
+                return {}
+            out = {}
+            now = time.time()
+            for path, info in found.items():
+                rel = path[len(prefix) :].lstrip("/") if path.startswith(prefix) else None
+                if rel and info.get("type", "file") == "file":
+                    out[rel] = {"size": int(info["size"]), "etag": _etag(info),
+                                "age": now - _mtime(info, now)}  # fmt: skip
+            return out
+
+        return self.call("listing", prefix, ls)
+
+    # -- parts ----------------------------------------------------------------------
+
+    def read_into(self, key: str, offset: int, buf: memoryview) -> int:
+        """Fill ``buf`` from bytes ``offset..`` of the object, in parallel ranged reads of
+        one part each; returns the bytes read (fewer: the object ends first)."""
+        from .remote_io import read_ranges
+
+        return read_ranges(self, key, offset, buf)
+
+    def upload(self, key: str, segments: list[memoryview]) -> None:
+        """Write ``segments`` one after another as the object ``key``: parts in parallel
+        (S3 multipart), straight from the segments' memory; nothing appears under
+        ``key`` unless every part arrived."""
+        from .remote_io import upload
+
+        upload(self, key, segments)
+
+
+def _etag(info: dict[str, Any]) -> str:
+    for field in ("ETag", "etag", "md5", "LastModified", "created", "mtime"):
+        if info.get(field) is not None:
+            return str(info[field])
+    return str(info.get("size"))
+
+
+def _mtime(info: dict[str, Any], now: float) -> float:
+    for field in ("LastModified", "last_modified", "created", "mtime"):
+        value = info.get(field)
+        if value is None:
+            continue
+        if hasattr(value, "timestamp"):
+            return float(value.timestamp())
+        with contextlib.suppress(TypeError, ValueError):
+            return float(value)
+    return now  # unknown age: treated as new, so never cleaned up early
+
+
+class RemotePath:
+    """A folder or object of a checkpoint on a store: ``str()`` is its URL, ``/`` joins.
+
+    ``tag`` (a save's id) travels with a partial save's step folder: each rank names
+    its shard object with it, so two saves of one step never write the same object.
+    """
+
+    __slots__ = ("key", "store", "tag")
+
+    def __init__(self, store: Store, key: str, tag: str | None = None) -> None:
+        self.store = store
+        self.key = key.rstrip("/")
+        self.tag = tag
+
+    @classmethod
+    def parse(cls, url: str) -> RemotePath:
+        store, key = Store.for_url(url)
+        if not key or ("/" not in key.strip("/") and store.is_s3):
+            raise CheckpointError(
+                f"{url}: name a folder inside a bucket (s3://BUCKET/FOLDER), not a bucket"
+            )
+        return cls(store, key)
+
+    def __truediv__(self, name: str) -> RemotePath:
+        return RemotePath(self.store, f"{self.key}/{name}")
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> RemotePath:
+        return RemotePath(self.store, self.key.rsplit("/", 1)[0])
+
+    def __str__(self) -> str:
+        return self.store.url(self.key)
+
+    def __repr__(self) -> str:
+        return f"RemotePath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RemotePath) and (self.store, self.key) == (other.store, other.key)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def exists(self) -> bool:
+        return bool(self.store.listing(self.key)) or self.store.info(self.key) is not None
+
+    def resolve(self) -> RemotePath:
+        return self  # a URL is absolute already
+
+    def is_symlink(self) -> bool:
+        return False  # object stores have no links
+
+    def iter_files(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        yield from sorted(self.store.listing(self.key).items())

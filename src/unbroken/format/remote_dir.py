@@ -1,0 +1,341 @@
+"""A checkpoint directory on an object store: the commit protocol without rename or locks.
+
+::
+
+    URL/step_00000200/manifest.json           the commit record, written last
+    URL/step_00000200/rank_00000-<save>.bin   shard objects, named for the save that wrote them
+    URL/.retired-step_*-<id>/                 an abandoned branch's checkpoint (copied aside)
+    URL/.replaced-step_*-<id>/                the old copy of a re-saved step, until the new
+                                              one commits
+
+Every rank uploads its shard straight to its final key, under a name that carries the
+save's id, so two saves of one step (a relaunch racing a zombie job) never write the same
+object. Once every rank's upload has completed, rank 0 writes ``manifest.json`` with a
+conditional write (``If-None-Match: *`` on S3): the write is the commit, and of two
+saves of one step only one can make it; the other fails naming the step and removes its
+own objects. A step is listed only if its manifest exists, so an upload cut off at any
+instant is never listed.
+
+Objects under a step that its manifest does not list (a crashed or losing save's) and
+step folders without a manifest are removed by a later save once they are older than
+``UNBROKEN_STALE_UPLOAD_S`` seconds (default 3600): there is no lock to tell an
+abandoned upload from one in progress, so age tells. Readers never remove anything.
+Deleting a checkpoint deletes its manifest first (unlisted at once), then its objects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import threading
+import uuid
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from ..errors import CheckpointError
+from .remote import RemotePath, _env_number
+from .storage import (
+    _FOREIGN_MARKERS,
+    _STEP_RE,
+    MANIFEST,
+    REPLACED,
+    RETIRED,
+    CheckpointDir,
+    step_dir_name,
+)
+
+logger = logging.getLogger(__name__)
+STALE_ENV = "UNBROKEN_STALE_UPLOAD_S"
+_SHARD_RE = re.compile(r"^rank_\d{5}-([0-9a-f]{12})\.bin$")
+
+
+def stale_after() -> float:
+    return _env_number(STALE_ENV, 3600, 0)
+
+
+class RemoteCheckpointDir(CheckpointDir):
+    """The root of one run's checkpoints on an object store (any fsspec URL).
+
+    Same operations as the local :class:`CheckpointDir`; see the module docstring for
+    how each is done without rename or locks. Thread-safe as far as the store client is.
+    """
+
+    remote = True
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        self.root = RemotePath.parse(str(root))  # type: ignore[assignment]
+        self._removals: list[threading.Thread] = []
+        if self.root.store.info(self.root.key) is not None:
+            raise CheckpointError(
+                f"{self.root} is an object, not a checkpoint folder; pass the prefix that "
+                "holds step_* checkpoints (or a new one to start)"
+            )
+
+    @property
+    def store(self):
+        return self.root.store
+
+    def step_path(self, step: int) -> RemotePath:  # type: ignore[override]
+        return self.root / step_dir_name(step)
+
+    def _objects(self) -> dict[str, dict[str, Any]]:
+        return self.store.listing(self.root.key)
+
+    def steps(self) -> list[int]:
+        found = set()
+        for rel in self._objects():
+            top, _, rest = rel.partition("/")
+            m = _STEP_RE.match(top)
+            if m and rest == MANIFEST:
+                found.add(int(m.group(1)))
+        return sorted(found)
+
+    def steps_without_manifest(self) -> list[int]:
+        # On a store a step folder without a manifest is an upload in progress or an
+        # abandoned one, never a damaged checkpoint (nothing is renamed into place).
+        return []
+
+    def listdir(self) -> list[str]:
+        return sorted({rel.partition("/")[0] for rel in self._objects()})
+
+    def is_folder(self, name: str) -> bool:
+        return any(rel.startswith(f"{name}/") for rel in self._objects())
+
+    def check_not_foreign(self) -> None:
+        names = self.listdir()
+        if any(_STEP_RE.match(n) for n in names) and self.steps():
+            return
+        foreign = [n for n in names if n.endswith(_FOREIGN_MARKERS)]
+        if foreign:
+            raise CheckpointError(
+                f"{self.root} holds no unbroken checkpoint but has other checkpoint files "
+                f"({', '.join(foreign[:5])}); point Checkpointer at an empty or unbroken "
+                "prefix, or bring those files in with `unbroken import`"
+            )
+
+    @contextlib.contextmanager
+    def save_lock(self) -> Iterator[None]:
+        # Object stores have no locks: the conditional manifest write decides (commit).
+        yield
+
+    def saving_now(self) -> bool:
+        return False
+
+    def new_partial(self, step: int) -> RemotePath:  # type: ignore[override]
+        return RemotePath(self.store, self.step_path(step).key, tag=uuid.uuid4().hex[:12])
+
+    def token(self, partial: Any) -> str:
+        return f"{partial}#{partial.tag}"
+
+    def from_token(self, text: str) -> RemotePath:  # type: ignore[override]
+        url, _, tag = text.rpartition("#") if "#" in text else (text, "", "")
+        return RemotePath(self.store, RemotePath.parse(url).key, tag=tag or None)
+
+    def shard_name(self, partial: Any, rank: int) -> str:
+        return f"rank_{rank:05d}-{partial.tag}.bin"
+
+    # -- commit ------------------------------------------------------------------------
+
+    def commit(  # type: ignore[override]
+        self, partial: Any, step: int, *, retire: Sequence[int] = (), manifest: bytes = b""
+    ) -> RemotePath:
+        """Commit by writing ``manifest`` (its bytes) last, conditionally. Retired steps
+        are unlisted first and put back if the commit fails."""
+        retired = self.retire(retire)
+        final = self.step_path(step)
+        aside = None
+        try:
+            if self.store.info((final / MANIFEST).key) is not None:
+                logger.warning("replacing the existing checkpoint of step %d", step)
+                aside = self.root / f"{REPLACED}{final.name}-{uuid.uuid4().hex[:12]}"
+                self._move(final, aside)
+            self._put_manifest(final, step, manifest)
+        except BaseException:
+            if aside is not None:
+                with contextlib.suppress(Exception):
+                    self._move(aside, final)
+            self._unretire(retired)
+            raise
+        if aside is not None:
+            self._delete_prefix(aside)
+        return final
+
+    def _put_manifest(self, final: RemotePath, step: int, data: bytes) -> None:
+        key = (final / MANIFEST).key
+        try:
+            self.store.put(key, data, create=True)
+        except FileExistsError:
+            with contextlib.suppress(Exception):
+                if self.store.read(key) == data:
+                    return  # our own write, whose answer was lost and which was retried
+            raise CheckpointError(
+                f"another save committed step {step} at {final} while this one was "
+                "uploading: two jobs must not share a checkpoint prefix. This save's "
+                "objects were removed and the other save's checkpoint is kept; stop the "
+                "other job or use another path"
+            ) from None
+
+    def _listed_files(self, folder: RemotePath) -> list[str]:
+        """Names the manifest of ``folder`` lists (none if it has no readable one)."""
+        try:
+            doc = json.loads(self.store.read((folder / MANIFEST).key))
+            return [n for n in doc.get("files", {}) if isinstance(n, str) and "/" not in n]
+        except (FileNotFoundError, ValueError, AttributeError, CheckpointError):
+            return []
+
+    def _move(self, src: RemotePath, dst: RemotePath) -> None:
+        """Copy a committed checkpoint to ``dst`` (manifest last: committed there only
+        once whole), unlist it at ``src`` (manifest first), then delete its objects."""
+        names = self._listed_files(src)
+        for name in names:
+            self.store.copy((src / name).key, (dst / name).key)
+        self.store.copy((src / MANIFEST).key, (dst / MANIFEST).key)
+        self.store.delete([(src / MANIFEST).key])
+        self.store.delete([(src / name).key for name in names])
+
+    def _delete_prefix(self, folder: RemotePath) -> None:
+        listed = self.store.listing(folder.key)
+        keys = [(folder / rel).key for rel in listed]
+        manifest = (folder / MANIFEST).key
+        self.store.delete([k for k in keys if k == manifest])  # unlisted first
+        self.store.delete([k for k in keys if k != manifest])
+
+    def retire(self, steps: Sequence[int]) -> list[tuple[Any, Any]]:
+        moved: list[tuple[Any, Any]] = []
+        try:
+            for s in sorted(steps, reverse=True):  # newest first, as on disk
+                path = self.step_path(s)
+                if self.store.info((path / MANIFEST).key) is None:
+                    continue
+                aside = self.root / f"{RETIRED}{path.name}-{uuid.uuid4().hex[:12]}"
+                self._move(path, aside)
+                moved.append((path, aside))
+        except BaseException:
+            self._unretire(moved)
+            raise
+        if moved:
+            logger.warning(
+                "retired %s of an abandoned branch: kept as %s",
+                ", ".join(p.name for p, _ in moved),
+                ", ".join(a.name for _, a in moved),
+            )
+        return moved
+
+    def _unretire(self, moved: list[tuple[Any, Any]]) -> None:
+        for path, aside in reversed(moved):
+            with contextlib.suppress(Exception):
+                self._move(aside, path)
+
+    def retired(self) -> list[tuple[int, Any]]:
+        found = []
+        for name in self.listdir():
+            m = _STEP_RE.match(name.removeprefix(RETIRED).rsplit("-", 1)[0])
+            if name.startswith(RETIRED) and m:
+                found.append((int(m.group(1)), self.root / name))
+        return sorted(found, key=lambda x: (x[0], str(x[1])))
+
+    # -- removal and clean-up ------------------------------------------------------------
+
+    def remove(self, step: int) -> bool:
+        path = self.step_path(step)
+        try:
+            self.store.delete([(path / MANIFEST).key])  # unlisted: the rest is garbage
+        except CheckpointError as exc:
+            logger.warning("%s; it is kept, retention tries again next save", exc)
+            return False
+        worker = threading.Thread(
+            target=self._delete_quietly, args=(path,), name="unbroken-delete", daemon=False
+        )
+        worker.start()
+        self._removals = [t for t in self._removals if t.is_alive()] + [worker]
+        return True
+
+    def _delete_quietly(self, folder: RemotePath) -> None:
+        try:
+            self._delete_prefix(folder)
+        except CheckpointError as exc:  # the next save's clean-up removes what is left
+            logger.warning("%s", exc)
+
+    def discard(self, partial: Any) -> None:
+        suffix = f"-{partial.tag}.bin"
+        listed = self.store.listing(partial.key)
+        with contextlib.suppress(CheckpointError):
+            self.store.delete([(partial / r).key for r in listed if r.endswith(suffix)])
+
+    def clean_leftovers(self) -> list[str]:
+        """Remove what crashed, losing or half-deleted saves left, once older than
+        ``UNBROKEN_STALE_UPLOAD_S``; put back the old copy of a re-saved step whose new
+        copy never committed. Returns the removed objects' names."""
+        objects = self._objects()
+        by_folder: dict[str, dict[str, dict[str, Any]]] = {}
+        for rel, info in objects.items():
+            top, _, rest = rel.partition("/")
+            by_folder.setdefault(top, {})[rest] = info
+        limit = stale_after()
+        removed: list[str] = []
+        for top, members in sorted(by_folder.items()):
+            if top.startswith(REPLACED):
+                self._recover(self.root / top)
+                continue
+            if not _STEP_RE.match(top):
+                continue
+            folder = self.root / top
+            saves = {shard_save_id(r) for r in members if r != MANIFEST}
+            if MANIFEST in members and len(saves) <= 1 and None not in saves:
+                continue  # one save's objects and its manifest: nothing left over
+            keep = set(self._listed_files(folder)) | {MANIFEST} if MANIFEST in members else set()
+            stale = [r for r, i in members.items() if r not in keep and i["age"] >= limit]
+            self.store.delete([(folder / r).key for r in stale])
+            removed += [f"{top}/{r}" for r in stale]
+        removed += self._abort_stale_uploads(limit)
+        if removed:
+            logger.info("removed %d leftover object(s) in %s", len(removed), self.root)
+        return removed
+
+    def clean_leftovers_if_idle(self) -> list[str]:
+        return []  # readers never remove anything from a store (no lock tells them when)
+
+    def _abort_stale_uploads(self, limit: float) -> list[str]:
+        """S3 keeps the parts of an upload that never completed (and bills them) until
+        aborted: abort this run's that are older than ``limit``."""
+        if not self.store.is_s3:
+            return []
+        fs = self.store.fs
+        bucket, prefix, _ = fs.split_path(self.root.key)
+        try:
+            answer = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/")
+        except Exception:  # a store without the listing: the bucket's lifecycle rule cleans
+            return []
+        import time
+
+        aborted = []
+        for up in answer.get("Uploads", []):
+            started = up.get("Initiated")
+            age = time.time() - started.timestamp() if hasattr(started, "timestamp") else 0
+            if age >= limit:
+                with contextlib.suppress(Exception):
+                    fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"],
+                               UploadId=up["UploadId"])  # fmt: skip
+                    aborted.append(up["Key"])
+        return aborted
+
+    def _recover(self, aside: RemotePath) -> None:
+        final = self.root / aside.name.removeprefix(REPLACED).rsplit("-", 1)[0]
+        if not _STEP_RE.match(final.name):
+            return
+        if self.store.info((aside / MANIFEST).key) is None:
+            return  # the copy aside never completed: the step itself was never unlisted
+        if self.store.info((final / MANIFEST).key) is None:
+            self._move(aside, final)
+            logger.warning("put back %s: a re-save of it did not complete", final)
+        else:
+            self._delete_prefix(aside)
+
+
+def shard_save_id(name: str) -> str | None:
+    """The save id in a remote shard object's name (``rank_00000-<id>.bin``), or None."""
+    m = _SHARD_RE.match(name)
+    return m.group(1) if m else None
