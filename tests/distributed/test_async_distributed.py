@@ -10,7 +10,7 @@ from . import launcher, models
 pytestmark = pytest.mark.distributed
 
 
-def _async_then_restore(rank: int, world: int, path: str) -> dict | None:
+def _async_then_restore(rank: int, world: int, path: str, mode: bool | str) -> dict | None:
     from torch.distributed.device_mesh import init_device_mesh
 
     import unbroken as ub
@@ -19,8 +19,11 @@ def _async_then_restore(rank: int, world: int, path: str) -> dict | None:
     model, opt = models.build(fsdp_mesh=mesh)
     models.train_steps(model, opt, 2, rank=rank)
     want = models.full_state(model, opt)
-    ckpt = ub.Checkpointer(path, model=model, optimizer=opt, async_save=True)
+    ckpt = ub.Checkpointer(path, model=model, optimizer=opt, async_save=mode)
     ckpt.save(2)
+    if mode == "overlap":  # the shards (parameters, moments) are copied late, not in save()
+        late = ckpt._saver._copy.live  # each parameter and its exp_avg, exp_avg_sq, step
+        assert len(late) == 4 * len(list(model.parameters())), sorted(late)
     models.train_steps(model, opt, 3, rank=rank, start=2)  # FSDP collectives meanwhile
     ckpt.close()
     fresh, fresh_opt = models.build(seed=3, fsdp_mesh=mesh)
@@ -30,8 +33,11 @@ def _async_then_restore(rank: int, world: int, path: str) -> dict | None:
     return {"want": want, "got": got} if rank == 0 else None
 
 
-def test_async_save_with_fsdp2_restores_the_staged_state(tmp_path):
-    result = launcher.run(_async_then_restore, 2, str(tmp_path / "ckpt"))[0]
+@pytest.mark.parametrize("mode", [True, "overlap"])
+def test_async_save_with_fsdp2_restores_the_staged_state(tmp_path, mode):
+    """With "overlap" the copy of the shards runs while the next steps' FSDP collectives
+    do, and each rank's optimizer waits for its own copy before changing its shards."""
+    result = launcher.run(_async_then_restore, 2, str(tmp_path / "ckpt"), mode)[0]
     want, got = result["want"], result["got"]
     for k, t in want["model"].items():
         assert torch.equal(got["model"][k], t), k

@@ -57,6 +57,9 @@ def test_save_returns_before_the_copy_and_the_next_step_waits_for_it(ckpt_dir, h
     p.step()
     ckpt = p.checkpointer(ckpt_dir, async_save="overlap")
     ckpt.save(1)  # returns while the copy is held back
+    late = ckpt._saver._copy.live  # copied in the background: parameters, optimizer state
+    assert {"model/inp.weight", "optimizer/state/inp.weight/exp_avg"} <= late.keys()
+    assert "model/seen" not in late  # a buffer the forward pass changes: copied in save()
     assert held_copy["started"].wait(30)
     assert held_copy["log"] == ["copy started"]
     p.opt.register_step_post_hook(lambda *a: held_copy["log"].append("step"))
