@@ -97,9 +97,9 @@ class _Copy:
         self.live = {k: local(t) for k, t in staged.deferred.items()}
         self.versions = {k: t._version for k, t in self.live.items()}
         self.owner = owner  # the training thread, which alone may settle the copy
-        self.after = None
-        if any(t.device.type == "cuda" for t in self.live.values()):
-            self.after = torch.cuda.current_stream().record_event()
+        # On CUDA the copy runs on a side stream, after the work queued so far.
+        cuda = next((t.device for t in self.live.values() if t.is_cuda), None)
+        self.after = torch.cuda.current_stream(cuda).record_event() if cuda else None
         self.copied = threading.Event()
         self.settled = threading.Event()
         self.changed: list[str] = []

@@ -28,7 +28,7 @@ class StagingBuffers:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
-        self._stream: object | None = None  # a CUDA side stream for copies in the background
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # for copies behind training
 
     def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -51,10 +51,12 @@ class StagingBuffers:
         pending_cuda = False
         stream = None
         if after is not None:
-            if self._stream is None:
-                self._stream = torch.cuda.Stream()
-            stream = self._stream
-            stream.wait_event(after)  # type: ignore[attr-defined]
+            # The tensors' device, not this thread's current one (device 0 in a new thread).
+            device = next(local(t).device for t in flat.values() if local(t).is_cuda)
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream.wait_event(after)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for key, t in flat.items():
                 part = local(t)
@@ -69,7 +71,7 @@ class StagingBuffers:
                     )  # fmt: skip
                 out[key] = buf
         if pending_cuda and stream is not None:
-            stream.synchronize()  # type: ignore[attr-defined]
+            stream.synchronize()
         elif pending_cuda:
             torch.cuda.synchronize()
         return out
