@@ -106,7 +106,7 @@ def bench_mode(loop: Loop, mode: bool | str, root: Path, repeats: int) -> dict[s
 def _fmt(times: list[float]) -> str:
     if not times:
         return "-"
-    return f"{statistics.median(times):.3f} ({min(times):.3f})"
+    return f"{statistics.median(times):.4f} ({min(times):.4f})"
 
 
 def _ratio(times: list[float], copy: float) -> str:
