@@ -44,3 +44,27 @@ def test_async_save_with_fsdp2_restores_the_staged_state(tmp_path, mode):
     for fqn, entries in want["optimizer"].items():
         for name, t in entries.items():
             assert torch.equal(got["optimizer"][fqn][name], t), (fqn, name)
+
+
+def _edit_on_one_rank(rank: int, world: int, path: str) -> list[int]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import unbroken as ub
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = models.build(fsdp_mesh=mesh)
+    models.train_steps(model, opt, 1, rank=rank)
+    ckpt = ub.Checkpointer(path, model=model, optimizer=opt, async_save="overlap")
+    ckpt.save(1)
+    if rank == 1:  # weight surgery on one rank's shard, outside an optimizer step
+        with torch.no_grad():
+            next(iter(model.parameters())).to_local().mul_(2)
+    models.train_steps(model, opt, 1, rank=rank, start=1)
+    with pytest.raises(ub.CheckpointError, match=r"step 1 was not saved"):
+        ckpt.wait()  # on both ranks: the refusal is agreed before anything is written
+    ckpt.close()
+    return ckpt.steps()
+
+
+def test_a_refused_overlapped_copy_on_one_rank_stops_the_save_on_every_rank(tmp_path):
+    assert launcher.run(_edit_on_one_rank, 2, str(tmp_path / "ckpt")) == [[], []]

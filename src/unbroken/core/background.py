@@ -22,7 +22,9 @@ EMA update, weight surgery, a ``load_state_dict``) is found through the tensors'
 refuses the save (nothing is committed, the error is raised by the next ``save()``,
 ``wait()`` or ``close()``). The rule for users: between ``save()`` and the next optimizer
 step, change parameters and optimizer state only through the optimizers' ``step()``, or
-call ``ckpt.wait()`` first.
+call ``ckpt.wait()`` first. Torch counts no versions through ``.data`` (an edit of
+``p.data`` in place is invisible to autograd and to this check alike), nor from another
+thread or process writing the memory: those are outside what can be detected.
 
 Collectives of the background thread run on a gloo group of its own, never on the
 default group the training loop uses; the copy itself issues none.
@@ -92,10 +94,19 @@ def check_mode(value: Any) -> bool | str:
 class _Copy:
     """One save's deferred copy: its progress, and the training thread's verdict on it."""
 
-    def __init__(self, staged: Staged, owner: threading.Thread) -> None:
+    def __init__(
+        self, staged: Staged, owner: threading.Thread, owners: dict[int, list[torch.Tensor]]
+    ) -> None:
         self.staged = staged
         self.live = {k: local(t) for k, t in staged.deferred.items()}
-        self.versions = {k: t._version for k, t in self.live.items()}
+        # Each captured tensor and the live tensors sharing its memory: a state dict may
+        # hand out an alias with a version counter of its own (FSDP2's, made like
+        # ``.data``), so the parameter's and the optimizer state's own counters are
+        # watched too.
+        self.watched = {
+            k: [t, *owners.get(t.untyped_storage().data_ptr(), [])] for k, t in self.live.items()
+        }
+        self.versions = {k: self._versions(k) for k in self.watched}
         self.owner = owner  # the training thread, which alone may settle the copy
         # On CUDA the copy runs on a side stream, after the work queued so far.
         cuda = next((t.device for t in self.live.values() if t.is_cuda), None)
@@ -104,9 +115,12 @@ class _Copy:
         self.settled = threading.Event()
         self.changed: list[str] = []
 
+    def _versions(self, key: str) -> list[int]:
+        return [t._version for t in self.watched[key]]
+
     def check(self) -> None:
         """Record the saved tensors changed in place since ``save()``."""
-        self.changed = [k for k, t in self.live.items() if t._version != self.versions[k]]
+        self.changed = [k for k in self.watched if self._versions(k) != self.versions[k]]
 
     def await_verdict(self) -> None:
         """Wait (background thread) until the training thread settles the copy; if that
@@ -163,6 +177,7 @@ class BackgroundSaver:
         self._pending: Future[None] | None = None
         self._copy: _Copy | None = None
         self._hooks: list[RemovableHandle] = []
+        self._owners: dict[int, list[torch.Tensor]] = {}  # memory -> live tensors, at save()
         # The background save's collectives run on a group of its own, so they never
         # interleave with the training loop's collectives on the default group.
         self._group = dist.new_group(backend="gloo") if collective.active() else None
@@ -172,8 +187,11 @@ class BackgroundSaver:
         those held in the memory of a parameter or of optimizer state."""
         if self.mode != OVERLAP:
             return None
-        owners = {t.untyped_storage().data_ptr() for t in self._late_tensors()}
-        owners.discard(0)
+        owners: dict[int, list[torch.Tensor]] = {}
+        for t in self._late_tensors():
+            if not t.is_inference() and t.untyped_storage().data_ptr():
+                owners.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+        self._owners = owners
 
         def late(t: torch.Tensor) -> bool:
             part = local(t)
@@ -202,23 +220,28 @@ class BackgroundSaver:
             _register_exit(self)
         job = None
         if staged.deferred:
-            job = self._copy = _Copy(staged, threading.current_thread())
+            job = self._copy = _Copy(staged, threading.current_thread(), self._owners)
             self._hooks = [
                 opt.register_step_pre_hook(self._before_step) for opt in self._optimizers
             ]
+        self._owners = {}  # no references to live tensors kept beyond this save
         self._pending = self._executor.submit(self._run, staged, job, finish)
 
     def _run(self, staged: Staged, job: _Copy | None, finish: Callable[[Staged], None]) -> None:
+        def copy_and_judge() -> None:
+            assert job is not None
+            try:
+                staged.flat.update(self.buffers.copy(staged.deferred, after=job.after))
+            finally:
+                job.copied.set()
+            staged.deferred = {}
+            job.await_verdict()
+            if job.changed:
+                raise job.refusal()
+
         with collective.using(self._group):
-            if job is not None:
-                try:
-                    staged.flat.update(self.buffers.copy(staged.deferred, after=job.after))
-                finally:
-                    job.copied.set()
-                staged.deferred = {}
-                job.await_verdict()
-                if job.changed:
-                    raise job.refusal()
+            if job is not None:  # a copy refused or failed on one rank stops every rank's
+                collective.agree(copy_and_judge)  # save here, before any writes
             finish(staged)
 
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
