@@ -11,8 +11,8 @@ A loop of real training steps (forward, backward, AdamW step) over the state of
 allocates the staging buffers later saves reuse); each round: two steps without a save
 (the reference step), ``save()``, then steps until the save is committed. Measured per
 round: the seconds ``save()`` blocked, the seconds the next optimizer step waited for the
-copy (our step pre-hook, timed), the first step after ``save()`` and the mean step while
-the write was in flight. The yardstick is one copy of the state into preallocated memory.
+copy (our step pre-hook, timed), the first step after ``save()``, the mean step while
+the write was in flight, and ``save()`` to commit (seen between steps: step granularity). The yardstick is one copy of the state into preallocated memory.
 Medians of the rounds (min in brackets). Never asserts timings.
 """
 
@@ -76,7 +76,8 @@ def bench_mode(loop: Loop, mode: bool | str, root: Path, repeats: int) -> dict[s
         root / f"mode_{mode}", model=loop.model, optimizer=loop.opt, keep_last=2,
         async_save=mode, overwrite=True,
     )  # fmt: skip
-    out: dict[str, list[float]] = {k: [] for k in ("blocked", "wait", "first", "writing", "plain")}
+    keys = ("blocked", "wait", "first", "writing", "plain", "committed")
+    out: dict[str, list[float]] = {k: [] for k in keys}
     step = 0
     try:
         step += 1
@@ -96,6 +97,7 @@ def bench_mode(loop: Loop, mode: bool | str, root: Path, repeats: int) -> dict[s
             while _in_flight(ckpt) and len(during) < 50:
                 during.append(loop.step())
             ckpt.wait()
+            out["committed"].append(time.perf_counter() - start)
             if during:
                 out["writing"].append(statistics.mean(during))
     finally:
@@ -151,15 +153,18 @@ def main() -> None:
             results[mode] = bench_mode(loop, mode, Path(tmp), args.repeats)
     plain = [t for r in results.values() for t in r["plain"]]
     headers = ["async_save", "blocked in save()", "wait at next step", "blocked / copy",
-               "(blocked + wait) / copy", "first step after save", "step while writing"]  # fmt: skip
+               "(blocked + wait) / copy", "first step after save", "step while writing",
+               "save() to commit"]  # fmt: skip
     rows = []
     for mode, r in results.items():
         total = [b + w for b, w in zip(r["blocked"], r["wait"], strict=True)]
         rows.append([f"`{mode!r}`", _fmt(r["blocked"]), _fmt(r["wait"]),
                      _ratio(r["blocked"], copy), _ratio(total, copy), _fmt(r["first"]),
-                     _fmt(r["writing"])])  # fmt: skip
-    rows.append(["(no save)", "-", "-", "-", "-", _fmt(plain), _fmt(plain)])
-    rows.append(["one copy into preallocated memory", _fmt(copies), "-", "1.00x", "-", "-", "-"])
+                     _fmt(r["writing"]), _fmt(r["committed"])])  # fmt: skip
+    rows.append(["(no save)", "-", "-", "-", "-", _fmt(plain), _fmt(plain), "-"])
+    rows.append(
+        ["one copy into preallocated memory", _fmt(copies), "-", "1.00x", "-", "-", "-", "-"]
+    )
     text = table(headers, rows)
     print("\n" + text)
     if args.markdown:
