@@ -161,10 +161,13 @@ class BackgroundSaver:
     def __init__(self, mode: bool | str, components: list[Component]) -> None:
         self.mode = check_mode(mode)
         self.buffers = StagingBuffers()
-        self._models = [m for c in components if isinstance(c, ModelComponent) for m in c.models.values()]  # fmt: skip
-        self._optimizers = [
-            o for c in components if isinstance(c, OptimizerComponent) for o in c.optimizers.values()
-        ]  # fmt: skip
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[Any] = []
+        for c in components:
+            if isinstance(c, ModelComponent):
+                self._models += c.models.values()
+            elif isinstance(c, OptimizerComponent):
+                self._optimizers += c.optimizers.values()
         if self.mode == OVERLAP:
             for opt in self._optimizers:
                 if not callable(getattr(opt, "register_step_pre_hook", None)):
