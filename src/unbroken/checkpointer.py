@@ -8,15 +8,12 @@ import os
 import time
 import uuid
 from collections.abc import Iterable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from .core import branching, collective, resuming, retention, saving
-from .core.staging import StagingBuffers
+from .core import background, branching, collective, resuming, retention, saving
 from .errors import CheckpointError
 from .format.storage import CheckpointDir
 from .live import probe
@@ -54,10 +51,19 @@ class Checkpointer:
         probe: ``callable(model) -> Tensor | float``, recorded at save and recomputed
             after restore; any difference raises ``StateMismatchError``.
         keep_last: committed checkpoints to keep (None: keep all).
-        async_save: ``save()`` returns once the state is copied into reusable host
-            buffers (one extra copy of the state in memory); writing, fingerprinting and
-            the commit run in a background thread. One save is in flight at a time: the
-            next ``save()``, ``restore()`` or ``close()`` waits for it and raises its error.
+        async_save: ``True``: ``save()`` returns once the state is copied into reusable
+            host buffers (one extra copy of the state in memory); writing, fingerprinting
+            and the commit run in a background thread. ``"overlap"``: ``save()`` copies
+            only the small state (buffers, scheduler, data position, RNG, ``extra``) and
+            returns; the parameters and optimizer state are copied in the background
+            while the next forward and backward run, and each optimizer's ``step()``
+            waits for that copy (a step pre-hook) before changing them. The checkpoint is
+            still exactly the state at ``save(step)``: until the next ``step()``, change
+            parameters or optimizer state in place only through these optimizers, or
+            call :meth:`wait` first; any other change (found by torch's tensor version
+            counters) refuses the save with ``CheckpointError`` (core/background.py).
+            One save is in flight at a time: the next ``save()``, ``restore()`` or
+            ``close()`` waits for it and raises its error.
         overwrite: the committed checkpoints already in ``path`` belong to a run this one
             replaces: ``restore()`` ignores them and the first save retires them (kept
             aside as ``.retired-step_*``, nothing deleted). Without it, saving into a
@@ -89,7 +95,7 @@ class Checkpointer:
         extra: Mapping[str, Any] | None = None,
         probe: probe.Probe | None = None,
         keep_last: int | None = 3,
-        async_save: bool = False,
+        async_save: bool | str = False,
         overwrite: bool = False,
         loss_metric: str = "loss",
         grad_norm_metric: str | None = "grad_norm",
@@ -131,15 +137,8 @@ class Checkpointer:
         self._health: HealthCheck | None = None
         self._stop = StopPolicy(agree=collective.any_rank)
         self._closed = False
-        self._async = bool(async_save)
-        self._buffers = StagingBuffers() if self._async else None
-        self._pending: Future[None] | None = None
-        self._executor: ThreadPoolExecutor | None = None
-        # A background save runs its collectives on a group of its own, so they never
-        # interleave with the training loop's collectives on the default group.
-        self._group = (
-            dist.new_group(backend="gloo") if self._async and collective.active() else None
-        )
+        mode = background.check_mode(async_save)
+        self._saver = background.BackgroundSaver(mode, self._components) if mode else None
 
     @property
     def path(self) -> str:
@@ -176,13 +175,11 @@ class Checkpointer:
             noted_per_rank=self._noted_per_rank,
             retire=retire,
         )
-        if not self._async:
+        if self._saver is None:
             self._finish_save(saving.stage(request))
-            return str(self._dir.step_path(step))
-        staged = saving.stage(request, self._buffers)
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-save")
-        self._pending = self._executor.submit(self._finish_save_in_background, staged)
+        else:
+            staged = saving.stage(request, self._saver.buffers, self._saver.defer())
+            self._saver.submit(staged, self._finish_save)
         return str(self._dir.step_path(step))
 
     def _finish_save(self, staged: saving.Staged) -> None:
@@ -192,15 +189,15 @@ class Checkpointer:
         retention.apply_retention(self._dir, staged.request.step, self._keep_last)
         self._flush_metrics(strict=False)  # committed: a failure is a warning (see flush)
 
-    def _finish_save_in_background(self, staged: saving.Staged) -> None:
-        with collective.using(self._group):
-            self._finish_save(staged)
-
     def wait(self) -> None:
-        """Wait for an in-flight asynchronous save; raise its error if it failed."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        """Wait for an in-flight asynchronous save; raise its error if it failed.
+
+        With ``async_save="overlap"``, call it before changing parameters or optimizer
+        state in place other than through the optimizers' ``step()`` (an EMA update,
+        weight surgery) between ``save()`` and the next step.
+        """
+        if self._saver is not None:
+            self._saver.wait()
 
     def restore(
         self,
@@ -346,8 +343,8 @@ class Checkpointer:
             self._metrics.close()
             self._dir.finish_removals()
             self._stop.close()
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
+            if self._saver is not None:
+                self._saver.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -10,6 +10,7 @@ import logging
 import platform
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,9 @@ class Staged:
     flat: dict[str, torch.Tensor]
     info: dict[str, dict[str, Any]]  # key -> manifest fields known at capture (device, stride)
     per_rank: set[str] = dataclasses.field(default_factory=set)  # components saved per rank
+    # Live tensors not yet copied (async_save="overlap"): ``flat`` holds them until a copy
+    # in the background replaces them (core/background.py).
+    deferred: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
 
 def rank_prefix(name: str, rank: int) -> str:
@@ -68,9 +72,15 @@ def component_prefix(component: Component, rank: int) -> str:
     return rank_prefix(component.name, rank) if component.per_rank else component.name
 
 
-def stage(request: SaveRequest, buffers: StagingBuffers | None = None) -> Staged:
+def stage(
+    request: SaveRequest,
+    buffers: StagingBuffers | None = None,
+    defer: Callable[[torch.Tensor], bool] | None = None,
+) -> Staged:
     """Capture the live state (collective on errors). With ``buffers``, tensors are copied
-    so training may change the live ones while the copy is written in the background.
+    so training may change the live ones while the copy is written in the background;
+    those for which ``defer`` is true are left live in ``Staged.deferred``, to be copied
+    later (core/background.py). Everything else (skeletons, small state) is fixed here.
 
     A shared component (scheduler, extra) whose state differs between ranks is saved per
     rank in this checkpoint, each rank's own value, so none is lost or mixed.
@@ -108,9 +118,12 @@ def stage(request: SaveRequest, buffers: StagingBuffers | None = None) -> Staged
         for key, t in flat.items():
             _check_savable(key, t)  # before anything is written
         info = {k: _capture_info(t) for k, t in flat.items()}
+        deferred: dict[str, torch.Tensor] = {}
         if buffers is not None:
-            flat = buffers.copy(flat)
-        return Staged(request, skeletons, flat, info, per_rank)
+            deferred = {k: t for k, t in flat.items() if defer is not None and defer(t)}
+            flat = {**flat, **buffers.copy({k: t for k, t in flat.items() if k not in deferred})}
+            buffers.keep_only(flat)
+        return Staged(request, skeletons, flat, info, per_rank, deferred)
 
     staged = collective.agree(encode)
     assert staged is not None

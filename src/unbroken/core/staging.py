@@ -7,15 +7,28 @@ CUDA device the buffers are pinned host memory, so the copy runs at full bus spe
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from contextlib import nullcontext
+
 import torch
 from torch.distributed.tensor import DTensor
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory holds ``t``'s values on this rank (a DTensor's shard)."""
+    return (t.to_local() if isinstance(t, DTensor) else t).detach()
+
+
 class StagingBuffers:
-    """One host buffer per saved tensor key, reused across saves."""
+    """One host buffer per saved tensor key, reused across saves.
+
+    Thread safety: one ``copy`` at a time (a save in the background copies while the
+    training thread waits for it before the next save).
+    """
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # for copies behind training
 
     def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
@@ -25,24 +38,45 @@ class StagingBuffers:
             self._buffers[key] = buf
         return buf
 
-    def copy(self, flat: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Host copies of ``flat`` (DTensors keep their mesh and placements)."""
+    def copy(
+        self, flat: dict[str, torch.Tensor], *, after: torch.cuda.Event | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Host copies of ``flat`` (DTensors keep their mesh and placements).
+
+        ``after``: a CUDA event recorded by the training thread at ``save()``; the copies
+        of CUDA tensors then run on a side stream once that event has passed, so a copy in
+        the background never waits for (nor delays) later work on the training stream.
+        """
         out: dict[str, torch.Tensor] = {}
         pending_cuda = False
-        for key, t in flat.items():
-            local = t.to_local() if isinstance(t, DTensor) else t
-            buf = self._buffer(key, local.detach())
-            non_blocking = local.device.type == "cuda"
-            buf.copy_(local.detach(), non_blocking=non_blocking)
-            pending_cuda |= non_blocking
-            if isinstance(t, DTensor):
-                buf = DTensor.from_local(
-                    buf, t.device_mesh, t.placements, run_check=False, shape=t.shape,
-                    stride=t.stride(),
-                )  # fmt: skip
-            out[key] = buf
-        if pending_cuda:
+        stream = None
+        if after is not None:
+            # The tensors' device, not this thread's current one (device 0 in a new thread).
+            device = next(local(t).device for t in flat.values() if local(t).is_cuda)
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device=device)
+            stream.wait_event(after)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for key, t in flat.items():
+                part = local(t)
+                buf = self._buffer(key, part)
+                non_blocking = part.device.type == "cuda"
+                buf.copy_(part, non_blocking=non_blocking)
+                pending_cuda |= non_blocking
+                if isinstance(t, DTensor):
+                    buf = DTensor.from_local(
+                        buf, t.device_mesh, t.placements, run_check=False, shape=t.shape,
+                        stride=t.stride(),
+                    )  # fmt: skip
+                out[key] = buf
+        if pending_cuda and stream is not None:
+            stream.synchronize()
+        elif pending_cuda:
             torch.cuda.synchronize()
-        for key in set(self._buffers) - set(flat):
-            del self._buffers[key]
         return out
+
+    def keep_only(self, keys: Iterable[str]) -> None:
+        """Free the buffers of keys the last save no longer has."""
+        for key in set(self._buffers) - set(keys):
+            del self._buffers[key]

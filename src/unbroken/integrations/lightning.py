@@ -112,7 +112,7 @@ class UnbrokenCallback(pl.Callback):
         probe: Probe | None = None,
         restore_step: int | None = None,
         require: bool | None = None,
-        async_save: bool = False,
+        async_save: bool | str = False,
         loss_metric: str = "loss",
         grad_norm_metric: str | None = "grad_norm",
     ) -> None:

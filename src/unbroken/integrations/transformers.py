@@ -81,7 +81,7 @@ class UnbrokenCallback(TrainerCallback):
         path: str | os.PathLike,
         *,
         keep_last: int | None = 3,
-        async_save: bool = False,
+        async_save: bool | str = False,
         probe: Probe | None = None,
         overwrite: bool = False,
         extra: Mapping[str, Any] | None = None,
