@@ -49,11 +49,13 @@ test-all: test test-torch2.14
 clean:
 	rm -rf $(VENV) $(VENV_NEXT) build *.egg-info src/*.egg-info
 
-# Save/restore benchmarks (4-7 minutes on 2 cores): prints the tables and regenerates
-# docs/benchmarks.md. A smoke test: $(PY) benchmarks/save_restore.py --quick
+# Save/restore benchmarks (5-9 minutes on 2 cores): prints the tables, regenerates
+# docs/benchmarks.md (keeping the object-store and async sections), then times the
+# async_save modes. A smoke test: $(PY) benchmarks/save_restore.py --quick
 .PHONY: bench
 bench: $(STAMP)
 	$(PY) benchmarks/save_restore.py --write-docs
+	$(PY) benchmarks/async_overhead.py --batch 1
 
 # Reader/writer races for a minute (the suite runs them for a few seconds) and the other
 # concurrency and fault tests of docs/reliability.md: the verdict must be zero false

@@ -375,10 +375,19 @@ def main() -> None:
     print("\n" + text)
     if args.write_docs:
         command = "python benchmarks/save_restore.py " + " ".join(sys.argv[1:])
-        Path(args.write_docs).write_text(
-            reporting.render(results, info, elapsed, markdown=True, command=command.strip())
-        )
+        docs = Path(args.write_docs)
+        ours = reporting.render(results, info, elapsed, markdown=True, command=command.strip())
+        docs.write_text(ours.rstrip("\n") + "\n\n" + _other_sections(docs))
         print(f"\nwrote {args.write_docs}")
+
+
+OTHERS = "<!-- Sections below belong to other benchmarks"
+
+
+def _other_sections(docs: Path) -> str:
+    """The sections of ``docs`` other benchmarks own (from the marker on), kept as they are."""
+    text = docs.read_text() if docs.exists() else ""
+    return text[text.index(OTHERS) :] if OTHERS in text else ""
 
 
 if __name__ == "__main__":
