@@ -44,6 +44,7 @@ from .storage import (
     REPLACED,
     RETIRED,
     CheckpointDir,
+    _log_retired,
     step_dir_name,
 )
 
@@ -210,18 +211,13 @@ class RemoteCheckpointDir(CheckpointDir):
                 path = self.step_path(s)
                 if self.store.info((path / MANIFEST).key) is None:
                     continue
-                aside = self.root / f"{RETIRED}{path.name}-{uuid.uuid4().hex[:12]}"
+                aside = self._retired_path(path)
                 self._move(path, aside)
                 moved.append((path, aside))
         except BaseException:
             self._unretire(moved)
             raise
-        if moved:
-            logger.warning(
-                "retired %s of an abandoned branch: kept as %s",
-                ", ".join(p.name for p, _ in moved),
-                ", ".join(a.name for _, a in moved),
-            )
+        _log_retired(moved)
         return moved
 
     def _unretire(self, moved: list[tuple[Any, Any]]) -> None:

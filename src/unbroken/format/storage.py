@@ -36,6 +36,7 @@ import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import CheckpointError
 from . import filesystem
@@ -264,7 +265,7 @@ class CheckpointDir:
                     path = self.step_path(s)
                     if not (path / MANIFEST).is_file():
                         continue
-                    aside = self.root / f"{RETIRED}{path.name}-{uuid.uuid4().hex[:12]}"
+                    aside = self._retired_path(path)
                     os.rename(path, aside)
                     moved.append((path, aside))
                 if moved:
@@ -272,13 +273,12 @@ class CheckpointDir:
         except BaseException:
             self._unretire(moved)
             raise
-        if moved:
-            logger.warning(
-                "retired %s of an abandoned branch: kept as %s",
-                ", ".join(path.name for path, _ in moved),
-                ", ".join(aside.name for _, aside in moved),
-            )
+        _log_retired(moved)
         return moved
+
+    def _retired_path(self, path: Path) -> Path:
+        """Where retiring the committed step folder ``path`` moves it (a unique name)."""
+        return self.root / f"{RETIRED}{path.name}-{uuid.uuid4().hex[:12]}"
 
     def _unretire(self, moved: list[tuple[Path, Path]]) -> None:
         for path, aside in reversed(moved):
@@ -387,3 +387,12 @@ class CheckpointDir:
             logger.warning("put back %s: a re-save of it did not complete", final)
         elif has_manifest(final):
             shutil.rmtree(aside, ignore_errors=True)
+
+
+def _log_retired(moved: Sequence[tuple[Any, Any]]) -> None:
+    if moved:
+        logger.warning(
+            "retired %s of an abandoned branch: kept as %s",
+            ", ".join(path.name for path, _ in moved),
+            ", ".join(aside.name for _, aside in moved),
+        )
