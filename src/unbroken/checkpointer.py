@@ -119,12 +119,10 @@ class Checkpointer:
                 "world_size": collective.world_size(),
             }
         ]
-        # Rank 0 appends every tracked step to metrics.jsonl; the lineage names its segment.
-        # (On an object store, where nothing can be appended, the manifest's window is
-        # the record: metrics.jsonl is kept beside local checkpoints only.)
+        # Rank 0 records every tracked step (metrics.jsonl, or objects on a store); the
+        # lineage names its segment.
         self._metrics = MetricLog(
-            self._dir.root if collective.rank() == 0 and not self._dir.remote else None,
-            world_size=collective.world_size(),
+            self._dir.root if collective.rank() == 0 else None, world_size=collective.world_size()
         )
         self._lineage[0]["segment"] = self._metrics.segment
         self._fork: int | None = None  # the step resumed from, until the first save commits
@@ -293,7 +291,8 @@ class Checkpointer:
         """Record scalar metrics of ``step`` (floats or 0-d tensors).
 
         The last steps go into each checkpoint's manifest, the whole series into
-        ``metrics.jsonl`` (see :func:`unbroken.proof.metrics.read_series`); after a resume the
+        ``metrics.jsonl`` (on a store: objects under ``metrics/``; see
+        :func:`unbroken.proof.metrics.read_series`); after a resume the
         ones named ``loss_metric`` and ``grad_norm_metric`` feed the health check, whose
         finding (at most one per resume) is logged and kept in :attr:`warnings`.
         """
@@ -376,8 +375,7 @@ class Checkpointer:
 
     def _start_replay(self, resumed: int, saved_by: str | None, world: int, reset: list) -> None:
         def build() -> ReplayCheck:
-            root = None if self._dir.remote else self._dir.root
-            return ReplayCheck.from_file(root, resumed, saved_by, world, reset)
+            return ReplayCheck.from_file(self._dir.root, resumed, saved_by, world, reset)
 
         check = collective.agree(build, only_rank0=True)
         verdict = collective.from_rank0(check.verdict if check is not None else None)

@@ -20,6 +20,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .format.remote import RemotePath, location
 from .format.storage import CheckpointDir
 from .live.stopping import STOP_AT_ENV
 from .proof.metrics import read_series
@@ -39,6 +40,7 @@ def resume_test(
     timeout: float | None = None,
     plot: bool = True,
     parallel: bool = False,
+    store: str | None = None,
 ) -> ResumeTestResult:
     """Run ``command`` straight and stopped-at-``stop_at``-then-resumed; compare.
 
@@ -51,15 +53,20 @@ def resume_test(
     ``parallel`` runs the straight and the stopped run at the same time (they share
     nothing): faster where the machine has room for both, wrong for commands that need a
     whole GPU or bind a fixed port (torchrun without ``--standalone`` or distinct
-    ``--master_port``s).
+    ``--master_port``s). ``store``: a URL (``s3://bucket/prefix``) under which the two
+    runs keep their checkpoints (``straight`` and ``resumed``) instead of ``workdir``,
+    which still gets the logs, report and plot.
     """
     if stop_at < 1:
         raise ValueError(f"stop_at must be >= 1, got {stop_at}")
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
-    straight, resumed = work / "straight", work / "resumed"
+    base = work if store is None else location(store)
+    straight, resumed = base / "straight", base / "resumed"
     for d in (straight, resumed):
-        if d.exists() and any(d.iterdir()):
+        if isinstance(d, RemotePath) and d.exists():
+            raise ValueError(f"{d} is not empty: give resume_test a fresh store prefix")
+        if isinstance(d, Path) and d.exists() and any(d.iterdir()):
             raise ValueError(f"{d} is not empty: give resume_test a fresh workdir")
     base_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != STOP_AT_ENV}
     first_runs = [

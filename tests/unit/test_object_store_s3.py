@@ -199,3 +199,27 @@ def test_conditional_write_refuses_a_second_commit(server, s3):
     with pytest.raises(FileExistsError):
         store.put(key, b"{}", create=True)
     assert store.read(key) != b"{}"
+
+
+def test_tracked_steps_reach_the_store_at_exit_without_close(s3, tmp_path):
+    """A script that never closes its Checkpointer (no ``with``, no save after the last
+    tracked steps) still leaves its metrics record on S3: what is pending is uploaded at
+    interpreter exit, so a later resume's replay check has its reference."""
+    code = textwrap.dedent(
+        f"""
+        import sys, torch
+        sys.path.insert(0, {TESTS!r})
+        from conftest import Problem
+        p = Problem()
+        ckpt = p.checkpointer({s3!r})
+        for s in range(1, 4):
+            ckpt.track(s, loss=p.step())
+            if s == 1:
+                ckpt.save(1)
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    from unbroken.proof.metrics import read_series
+
+    assert read_series(s3).steps("loss") == [1, 2, 3]

@@ -1,4 +1,4 @@
-"""``unbroken plot DIR [--out FILE.png] [--json]``: tracked metrics over all resumes."""
+"""``unbroken plot DIR|URL [--out FILE.png] [--json]``: tracked metrics over all resumes."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ HELP = """Plot a run's tracked metrics to a PNG, resume points marked.
 
 One panel per metric recorded with ckpt.track(). The series follows the timeline that
 survived: steps replayed after resuming from an older checkpoint replace the abandoned
-ones; each resume is a labelled line. Default output: DIR/metrics.png. Needs matplotlib
-(pip install 'unbroken[plot]'). Exit 2 if DIR has no tracked metrics or there is no
-matplotlib."""
+ones; each resume is a labelled line. DIR is a run folder or a store's URL (s3://...).
+Default output: DIR/metrics.png (for a URL: metrics.png in the current folder). Needs
+matplotlib (pip install 'unbroken[plot]'). Exit 2 if nothing was tracked there or there
+is no matplotlib."""
 
 
 def register(app: typer.Typer) -> None:
@@ -25,24 +26,31 @@ def register(app: typer.Typer) -> None:
 
 def plot_command(
     path: Annotated[
-        Path, typer.Argument(metavar="DIR", help="A run folder (holding metrics.jsonl).")
+        str,
+        typer.Argument(
+            metavar="DIR", help="A run folder (holding metrics.jsonl) or a store's URL."
+        ),
     ],
     out: Annotated[Path | None, typer.Option("--out", help="PNG to write.")] = None,
     as_json: JsonOption = False,
 ) -> None:
-    from ..proof.metrics import FILE, read_series
+    from ..format.remote import RemotePath, location
+    from ..proof.metrics import read_series, record_lines, record_name
     from ..proof.plotting import plot_series
 
     with guard():
-        if not (path / FILE).is_file():
+        where = location(path)
+        if record_lines(where) is None:
             raise CheckpointNotFoundError(
-                f"{path / FILE} does not exist: no metrics were tracked in {path} "
+                f"{record_name(where)} does not exist: no metrics were tracked in {where} "
                 "(call ckpt.track(step, loss=...) in the training loop)"
             )
-        series = read_series(path)
-        target = out or path / "metrics.png"
+        series = read_series(where)
+        target = out or (
+            Path("metrics.png") if isinstance(where, RemotePath) else where / "metrics.png"
+        )
         try:
-            plot_series({path.name or str(path): series}, target, title=f"{path}")
+            plot_series({where.name or str(where): series}, target, title=f"{where}")
         except ImportError as exc:  # matplotlib is an optional extra
             raise usage_error(exc) from None
     if as_json:

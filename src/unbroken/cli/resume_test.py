@@ -18,6 +18,7 @@ from ._common import (
     report_error,
     stderr,
     stdout,
+    usage_error,
 )
 
 HELP = """Run CMD straight, then stopped at step K and resumed, and compare.
@@ -29,7 +30,8 @@ With --resume-cmd (e.g. another world size) the resumed run may deviate by up to
 --tolerance (relative); the restore itself is still verified exactly.
 
 Writes a text report, a JSON result and a PNG plot into --workdir (default: a new
-temporary folder, printed). Exit 0 when identical (or within tolerance), 1 otherwise
+temporary folder, printed). With --store URL the runs keep their checkpoints on an
+object store (URL/straight and URL/resumed; {dir} is replaced by those URLs). Exit 0 when identical (or within tolerance), 1 otherwise
 (the first differing step and metric named), 2 on bad usage."""
 
 
@@ -51,6 +53,12 @@ def resume_test_command(
     ] = None,
     workdir: Annotated[
         Path | None, typer.Option("--workdir", help="Where runs, report and plot go.")
+    ] = None,
+    store: Annotated[
+        str | None,
+        typer.Option(
+            "--store", help="A fresh URL prefix (s3://bucket/prefix) for the checkpoints."
+        ),
     ] = None,
     tolerance: Annotated[
         float, typer.Option("--tolerance", help="Relative deviation allowed with --resume-cmd.")
@@ -89,10 +97,13 @@ def resume_test_command(
                 tolerance=tolerance,
                 timeout=timeout,
                 parallel=parallel,
+                store=store,
             )
-        except (RunFailed, ValueError) as exc:
+        except RunFailed as exc:
             report_error(exc)  # plain text, unwrapped: paths and tracebacks stay whole
             raise typer.Exit(EXIT_FAILED) from None
+        except ValueError as exc:  # a used folder or prefix, a bad stop step
+            raise usage_error(exc) from None
     if as_json:
         emit_json(result)
     else:

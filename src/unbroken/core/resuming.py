@@ -24,7 +24,7 @@ from .candidates import Candidates
 logger = logging.getLogger(__name__)
 
 REQUIRE_ENV = "UNBROKEN_REQUIRE_CHECKPOINT"
-_OURS = {".lock", "metrics.jsonl"}
+_OURS = {".lock", "metrics.jsonl", "metrics"}  # metrics/: the record on a store
 _SHOWN = 5
 
 

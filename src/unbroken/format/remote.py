@@ -62,7 +62,7 @@ def location(path: str | os.PathLike | RemotePath) -> Path | RemotePath:
     return RemotePath.parse(text) if is_url(text) else Path(text.removeprefix("file://"))
 
 
-def _env_number(name: str, default: float, low: float) -> float:
+def env_number(name: str, default: float, low: float) -> float:
     raw = os.environ.get(name)
     if raw is None or raw.strip() == "":
         return default
@@ -76,11 +76,11 @@ def _env_number(name: str, default: float, low: float) -> float:
 
 
 def part_size() -> int:
-    return int(_env_number(PART_ENV, 32, 5) * (1 << 20))  # S3 parts are >= 5 MiB
+    return int(env_number(PART_ENV, 32, 5) * (1 << 20))  # S3 parts are >= 5 MiB
 
 
 def concurrency() -> int:
-    return int(_env_number(CONCURRENCY_ENV, 8, 1))
+    return int(env_number(CONCURRENCY_ENV, 8, 1))
 
 
 class Store:
@@ -131,8 +131,8 @@ class Store:
     def call(self, doing: str, key: str, fn: Callable[[], T], fix: str = "") -> T:
         """``fn()``, retried on transient failures, else a ``CheckpointError`` naming
         the object (``doing`` says what was being done to it)."""
-        attempts = int(_env_number(RETRIES_ENV, 4, 1))
-        wait = _env_number(BACKOFF_ENV, 0.5, 0)
+        attempts = int(env_number(RETRIES_ENV, 4, 1))
+        wait = env_number(BACKOFF_ENV, 0.5, 0)
         for attempt in range(1, attempts + 1):
             try:
                 return fn()

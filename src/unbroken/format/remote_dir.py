@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import CheckpointError
-from .remote import RemotePath, _env_number
+from .remote import RemotePath, env_number
 from .storage import (
     _FOREIGN_MARKERS,
     _STEP_RE,
@@ -54,7 +54,7 @@ _SHARD_RE = re.compile(r"^rank_\d{5}-([0-9a-f]{12})\.bin$")
 
 
 def stale_after() -> float:
-    return _env_number(STALE_ENV, 3600, 0)
+    return env_number(STALE_ENV, 3600, 0)
 
 
 class RemoteCheckpointDir(CheckpointDir):

@@ -1,7 +1,8 @@
 """Tracked metrics: kept in memory, appended as tracked, readable as one series.
 
 Rank 0 appends to ``DIR/metrics.jsonl`` as it tracks (fsynced at every save and at
-``close()``): a segment header when a Checkpointer starts (with the step it resumed from,
+``close()``; on an object store the same lines go into objects under ``PREFIX/metrics/``,
+see :mod:`.metric_objects`): a segment header when a Checkpointer starts (with the step it resumed from,
 the segment that saved that checkpoint, and the world size), then one line per tracked
 step; health-check warnings and the replay check's verdict have lines of their own.
 Reading replays the file in order: a segment that resumed from step R drops every later
@@ -27,6 +28,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..format.filesystem import free_space, writing
+from ..format.remote import RemotePath, location
+from .metric_objects import ObjectLog, object_lines
 
 FILE = "metrics.jsonl"
 logger = logging.getLogger(__name__)
@@ -74,11 +77,12 @@ class MetricLog:
     ``root/metrics.jsonl`` as it is tracked: one buffered line and a flush, no fsync, so
     a crash of the process loses nothing tracked (a power loss may lose what the OS had
     not written yet); :meth:`flush`, at each save and at close, fsyncs. Without a root
-    (the other ranks) the values stay in memory. Thread-safe: a background save may
-    flush while the training loop tracks.
+    (the other ranks) the values stay in memory. A root on an object store keeps the
+    lines in memory until :meth:`flush` uploads them (see :mod:`.metric_objects`).
+    Thread-safe: a background save may flush while the training loop tracks.
     """
 
-    def __init__(self, root: Path | None = None, *, world_size: int = 1) -> None:
+    def __init__(self, root: Path | RemotePath | None = None, *, world_size: int = 1) -> None:
         self.values: dict[int, dict[str, float]] = {}
         self.segment = uuid.uuid4().hex[:12]
         self.resumed_from: int | None = None
@@ -89,6 +93,7 @@ class MetricLog:
         self._unwritten: list[dict[str, Any] | str] = []  # lines a failed write left behind
         self._torn = False  # a failed write may have left half a line in the file
         self._header_queued = False
+        self._objects = ObjectLog(root, self.segment) if isinstance(root, RemotePath) else None
         # track() runs in the training loop while a background save may flush.
         self._lock = threading.Lock()
 
@@ -152,6 +157,15 @@ class MetricLog:
         """
         if self._root is None:
             return
+        if self._objects is not None:
+            try:
+                self._objects.upload()
+            except CheckpointError as exc:
+                if strict:
+                    raise
+                logger.warning("%s (the checkpoint itself is committed; the tracked steps "
+                               "stay queued for the next upload)", exc)  # fmt: skip
+            return
         path = self._root / FILE
         try:
             with writing(path, "writing", "free space: the tracked steps not on disk yet stay "
@@ -195,20 +209,26 @@ class MetricLog:
             )
         if line is not None:
             self._unwritten.append(line)
+        if self._objects is not None:
+            self._objects.write(self._joined(), self.segment)
+            self._unwritten = []
+            return
         if self._file is None:
             assert self._root is not None
             self._root.mkdir(parents=True, exist_ok=True)
             self._file = open(self._root / FILE, "a", encoding="utf-8")  # noqa: SIM115
         # After a failed write, a newline ends any torn line (readers skip the fragment).
-        text = "\n" if self._torn else ""
-        text += "".join(
-            (x if isinstance(x, str) else json.dumps(x, allow_nan=False)) + "\n"
-            for x in self._unwritten
-        )
+        text = ("\n" if self._torn else "") + self._joined()
         self._file.write(text)
         self._file.flush()
         self._unwritten = []
         self._torn = False
+
+    def _joined(self) -> str:
+        return "".join(
+            (x if isinstance(x, str) else json.dumps(x, allow_nan=False)) + "\n"
+            for x in self._unwritten
+        )
 
     def _drop_file(self) -> None:
         self._torn = True
@@ -230,28 +250,47 @@ class Series:
         return [s for s, _ in self.values.get(name, [])]
 
 
-def read_series(root: str | os.PathLike) -> Series:
-    """The surviving timeline of every tracked metric in a checkpoint folder."""
-    path = Path(root) / FILE
+def record_lines(root: str | os.PathLike | RemotePath) -> list[str] | None:
+    """The lines of a run's metrics record, in the order tracked: ``metrics.jsonl`` in a
+    local folder, the ``metrics/`` objects on a store; None if nothing was recorded."""
+    where = location(root)
+    if isinstance(where, RemotePath):
+        return object_lines(where)
+    path = where / FILE
+    if not path.is_file():
+        return None
+    return path.read_text(encoding="utf-8", errors="replace").splitlines()
+
+
+def record_name(root: str | os.PathLike | RemotePath) -> str:
+    """Where a run's metrics record is, for messages."""
+    where = location(root)
+    return f"{where}/metrics/" if isinstance(where, RemotePath) else str(where / FILE)
+
+
+def read_series(root: str | os.PathLike | RemotePath) -> Series:
+    """The surviving timeline of every tracked metric of a run (a local checkpoint
+    folder, or a store's URL)."""
     by_step: dict[int, dict[str, float]] = {}
     resumes: list[int] = []
     warnings: list[tuple[int, str]] = []
-    if path.is_file():
-        for raw in path.read_text(encoding="utf-8").splitlines():
-            try:
-                line = json.loads(raw)
-            except ValueError:
-                continue  # a torn last line from a crash mid-append
-            if "warning" in line:
-                warnings.append((line["step"], line["warning"]))
-                continue
-            if "step" not in line:
-                start = line.get("resumed_from")
-                if start is not None:
-                    by_step = {s: m for s, m in by_step.items() if s <= start}
-                    resumes = [r for r in resumes if r < start] + [start]
-                continue
-            by_step[line["step"]] = {k: _from_json(v) for k, v in line["metrics"].items()}
+    for raw in record_lines(root) or []:
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue  # a torn last line from a crash mid-append
+        if not isinstance(line, dict):
+            continue
+        if "warning" in line:
+            warnings.append((line["step"], line["warning"]))
+            continue
+        if "step" not in line:
+            start = line.get("resumed_from")
+            if start is not None:
+                by_step = {s: m for s, m in by_step.items() if s <= start}
+                resumes = [r for r in resumes if r < start] + [start]
+            continue
+        by_step[line["step"]] = {k: _from_json(v) for k, v in line["metrics"].items()}
     values: dict[str, list[tuple[int, float]]] = {}
     for s in sorted(by_step):
         for k, v in by_step[s].items():

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from ..format import manifest
+from ..format.remote import RemotePath
 from ..format.storage import CheckpointDir
 from .generators import differing, label
 from .metrics import Series, read_series
@@ -97,7 +98,7 @@ def tolerance_text(tolerance: float) -> str:
     )
 
 
-def compare(straight: Path, resumed: Path, *, stop_at: int, exact: bool = True,
+def compare(straight: Path | RemotePath, resumed: Path | RemotePath, *, stop_at: int, exact: bool = True,
             tolerance: float = 0.05) -> ResumeTestResult:  # fmt: skip
     """Compare two finished runs' metrics after ``stop_at`` and their final checkpoints."""
     a, b = read_series(straight), read_series(resumed)
@@ -163,7 +164,7 @@ def _compare_series(a: Series, b: Series, stop_at: int, exact: bool, tolerance: 
     return step, first, compared, deviation
 
 
-def _final_manifests(straight: Path, resumed: Path):
+def _final_manifests(straight: Path | RemotePath, resumed: Path | RemotePath):
     """(the two final manifests, None), or (None, why they cannot be compared)."""
     docs = []
     for d in (straight, resumed):

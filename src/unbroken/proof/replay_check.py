@@ -5,7 +5,7 @@ tracked some steps after the checkpoint it resumes from. Those records are the r
 as the resumed run tracks the same steps again, each metric must come out bit for bit the
 same (NaN equals NaN; -0.0 differs from 0.0), which proves the resume exact over real
 training steps at no extra cost. The reference is taken only from runs that continued
-from the very checkpoint restored (its lineage, followed through ``metrics.jsonl``'s
+from the very checkpoint restored (its lineage, followed through the metrics record's
 segment headers) and trained with the same world size; anything else is skipped, saying
 why.
 """
@@ -17,10 +17,13 @@ import json
 import logging
 import math
 import struct
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from .metrics import FILE
+from ..errors import CheckpointError
+from ..format.remote import RemotePath
+from .metrics import record_lines, record_name
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ class ReplayCheck:
     @classmethod
     def from_file(
         cls,
-        root: Path | None,
+        root: Path | RemotePath,
         from_step: int,
         saved_by: str | None,
         world_size: int,
@@ -103,13 +106,11 @@ class ReplayCheck:
         """The check of a resume from ``from_step``, whose checkpoint was saved by the
         metrics segment ``saved_by`` (None: an older checkpoint that records none), with
         ``reset`` components started fresh on purpose."""
-        if root is None:  # an object store: metrics.jsonl is kept in local folders only
-            reference, reason = {}, f"no {FILE} beside checkpoints on an object store"
-        else:
-            try:
-                reference, reason = _reference(root / FILE, from_step, saved_by, world_size)
-            except (OSError, ValueError, TypeError) as exc:  # never fail a restore over it
-                reference, reason = {}, f"{root / FILE} is unreadable: {exc}"
+        try:
+            lines = record_lines(root) or []
+            reference, reason = _reference(lines, from_step, saved_by, world_size)
+        except (OSError, ValueError, TypeError, CheckpointError) as exc:  # never fail a restore
+            reference, reason = {}, f"{record_name(root)} is unreadable: {exc}"
         if reason is not None:
             verdict = ReplayVerdict(SKIPPED, from_step, reason=reason)
         elif not reference:
@@ -171,27 +172,25 @@ def _difference(expected: dict[str, float], got: dict[str, float]) -> tuple[str,
 
 
 def _reference(
-    path: Path, from_step: int, saved_by: str | None, world_size: int
+    lines: Iterable[str], from_step: int, saved_by: str | None, world_size: int
 ) -> tuple[dict[int, dict[str, float]], str | None]:
     """Recorded steps after ``from_step`` of the segments continuing from its checkpoint,
     with the same world size; or a reason why there is no usable reference."""
     headers: dict[str, dict[str, Any]] = {}
     later: list[tuple[str, int, dict[str, Any]]] = []
-    if path.is_file():
-        with open(path, encoding="utf-8") as f:
-            for raw in f:
-                try:
-                    line = json.loads(raw)
-                except ValueError:
-                    continue  # a torn line (a crash mid-append)
-                if not isinstance(line, dict) or not isinstance(line.get("segment"), str):
-                    continue
-                step = line.get("step")
-                if isinstance(step, int) and isinstance(line.get("metrics"), dict):
-                    if step > from_step:
-                        later.append((line["segment"], step, line["metrics"]))
-                elif "resumed_from" in line:
-                    headers[line["segment"]] = line
+    for raw in lines:
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue  # a torn line (a crash mid-append)
+        if not isinstance(line, dict) or not isinstance(line.get("segment"), str):
+            continue
+        step = line.get("step")
+        if isinstance(step, int) and isinstance(line.get("metrics"), dict):
+            if step > from_step:
+                later.append((line["segment"], step, line["metrics"]))
+        elif "resumed_from" in line:
+            headers[line["segment"]] = line
     if not later:
         return {}, None
     if saved_by is None:

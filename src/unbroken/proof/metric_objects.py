@@ -1,0 +1,149 @@
+"""The tracked-metrics record on an object store, where nothing can be appended to.
+
+Locally rank 0 appends to ``metrics.jsonl``. On a store the same lines go, in order, into
+small objects under ``PREFIX/metrics/``, one per upload, named
+``<wall-clock ns>-<segment>-<seq>.jsonl``: listing them in name order gives the lines in
+the order they were tracked, across every resume of the run (each resume is a later
+process, so a later clock), and :func:`object_lines` reads them back as one file.
+
+An upload happens at every save (before ``save()`` returns or, for a background save,
+at its commit), at ``close()``, at interpreter exit, and from a background thread once
+``UNBROKEN_STORE_METRICS_S`` seconds (default 30) have passed since the last one, so a
+process killed outright loses at most that much of its record. An upload that fails is
+retried under the same name with everything tracked since, so nothing is lost or
+reordered while the store is down.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+
+from ..errors import CheckpointError
+from ..format.remote import RemotePath, concurrency, env_number
+
+FOLDER = "metrics"
+INTERVAL_ENV = "UNBROKEN_STORE_METRICS_S"
+logger = logging.getLogger(__name__)
+_open_logs: weakref.WeakSet[ObjectLog] = weakref.WeakSet()
+_exit_lock = threading.Lock()
+_exit_registered = False
+
+
+def upload_interval() -> float:
+    return env_number(INTERVAL_ENV, 30.0, 0.0)
+
+
+class ObjectLog:
+    """Rank 0's record of one Checkpointer on a store: lines in memory until uploaded.
+
+    ``write`` never does I/O (the training loop calls it); ``upload`` sends what is
+    pending as the next object and raises :class:`CheckpointError` naming it if the
+    store refuses after its retries (the lines stay pending).
+    """
+
+    def __init__(self, root: RemotePath, segment: str) -> None:
+        self.folder = root / FOLDER
+        self._segment = segment
+        self._pending: list[str] = []
+        self._failed: tuple[str, str] | None = None  # (object name, text) not uploaded yet
+        self._seq = 0
+        self._last_ns = 0
+        self._last_upload = time.monotonic()
+        self._interval = upload_interval()
+        self._lock = threading.Lock()  # _pending
+        self._upload_lock = threading.Lock()  # one upload at a time, in order
+        self._background: threading.Thread | None = None
+        self._warned = False
+        _register_exit(self)
+
+    def write(self, text: str, segment: str) -> None:
+        with self._lock:
+            self._pending.append(text)
+            self._segment = segment
+            due = time.monotonic() - self._last_upload >= self._interval
+            if not due or (self._background is not None and self._background.is_alive()):
+                return
+            self._background = threading.Thread(
+                target=self._upload_quietly, name="unbroken-metrics-upload", daemon=True
+            )
+            self._last_upload = time.monotonic()  # one background upload per interval
+        self._background.start()
+
+    def upload(self) -> None:
+        """Send everything pending (and a failed upload's lines) as one object."""
+        with self._upload_lock:
+            with self._lock:
+                text = "".join(self._pending)
+                self._pending = []
+                self._last_upload = time.monotonic()
+                segment = self._segment
+            if self._failed is not None:
+                name, before = self._failed
+                text = before + text
+            elif not text:
+                return
+            else:
+                name = self._next_name(segment)
+            try:
+                self.folder.store.put((self.folder / name).key, text.encode("utf-8"))
+            except CheckpointError:
+                self._failed = (name, text)
+                raise
+            self._failed = None
+
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self._pending) or self._failed is not None
+
+    def _next_name(self, segment: str) -> str:
+        now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing in this process
+        self._last_ns = now
+        self._seq += 1
+        return f"{now:020d}-{segment}-{self._seq:06d}.jsonl"
+
+    def _upload_quietly(self) -> None:
+        try:
+            self.upload()
+        except CheckpointError as exc:
+            if not self._warned:
+                self._warned = True
+                logger.warning("%s (the tracked steps stay queued and are uploaded with the "
+                               "next save)", exc)  # fmt: skip
+
+
+def _register_exit(log: ObjectLog) -> None:
+    global _exit_registered
+    with _exit_lock:
+        _open_logs.add(log)
+        if not _exit_registered:
+            atexit.register(_upload_at_exit)
+            _exit_registered = True
+
+
+def _upload_at_exit() -> None:
+    """What a Checkpointer never closed still holds is uploaded before the process ends."""
+    for log in list(_open_logs):
+        if log.pending():
+            try:
+                log.upload()
+            except Exception as exc:  # nobody is left to raise it to
+                logger.error("tracked steps lost at exit: %s", exc)
+
+
+def object_lines(root: RemotePath) -> list[str] | None:
+    """The record's lines in the order they were tracked; None if it has no object."""
+    folder = root / FOLDER
+    names = sorted(n for n in folder.store.listing(folder.key) if n.endswith(".jsonl"))
+    if not names:
+        return None
+    with ThreadPoolExecutor(min(len(names), concurrency()), "unbroken-metrics-read") as pool:
+        texts = list(pool.map(lambda n: folder.store.read((folder / n).key), names))
+    lines: list[str] = []
+    for data in texts:
+        lines += data.decode("utf-8", errors="replace").splitlines()
+    return lines
