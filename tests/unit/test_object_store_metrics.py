@@ -145,3 +145,20 @@ def test_background_upload_after_the_interval(url, monkeypatch):
         assert read_series(url).steps("loss") == [1]
     finally:
         ckpt.close()
+
+
+def test_uploads_fill_one_object_until_it_is_full(url, monkeypatch):
+    """Frequent uploads (every save, every interval) do not leave an object each: the
+    object being filled is rewritten until it holds CHUNK_BYTES, then a new one starts,
+    so a long run's record stays a few objects to list and read, in order."""
+    from unbroken.proof import metric_objects
+
+    monkeypatch.setattr(metric_objects, "CHUNK_BYTES", 600)
+    p = Problem()
+    with p.checkpointer(url) as ckpt:
+        for step in range(1, 13):
+            ckpt.track(step, loss=p.step())
+            ckpt._metrics.flush()
+    names = _metric_objects(url)
+    assert 2 <= len(names) < 12, names
+    assert read_series(url).steps("loss") == list(range(1, 13))

@@ -1,17 +1,19 @@
 """The tracked-metrics record on an object store, where nothing can be appended to.
 
 Locally rank 0 appends to ``metrics.jsonl``. On a store the same lines go, in order, into
-small objects under ``PREFIX/metrics/``, one per upload, named
-``<wall-clock ns>-<segment>-<seq>.jsonl``: listing them in name order gives the lines in
-the order they were tracked, across every resume of the run (each resume is a later
-process, so a later clock), and :func:`object_lines` reads them back as one file.
+objects of up to about a MiB under ``PREFIX/metrics/``, named
+``<wall-clock ns>-<segment>-<seq>.jsonl`` when started: listing them in name order gives
+the lines in the order they were tracked, across every resume of the run (each resume is
+a later process, so a later clock), and :func:`object_lines` reads them back as one file.
+Each upload rewrites the object being filled with the new lines appended, so a long run
+with frequent uploads still leaves few objects to list and read.
 
 An upload happens at every save (before ``save()`` returns or, for a background save,
 at its commit), at ``close()``, at interpreter exit, and from a background thread once
 ``UNBROKEN_STORE_METRICS_S`` seconds (default 30) have passed since the last one, so a
 process killed outright loses at most that much of its record. An upload that fails is
-retried under the same name with everything tracked since, so nothing is lost or
-reordered while the store is down.
+retried with everything tracked since, so nothing is lost or reordered while the store
+is down.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from ..format.remote import RemotePath, concurrency, env_number
 
 FOLDER = "metrics"
 INTERVAL_ENV = "UNBROKEN_STORE_METRICS_S"
+CHUNK_BYTES = 1 << 20  # an object is rewritten with new lines until it holds this much
 logger = logging.getLogger(__name__)
 _open_logs: weakref.WeakSet[ObjectLog] = weakref.WeakSet()
 _exit_lock = threading.Lock()
@@ -50,7 +53,9 @@ class ObjectLog:
         self.folder = root / FOLDER
         self._segment = segment
         self._pending: list[str] = []
-        self._failed: tuple[str, str] | None = None  # (object name, text) not uploaded yet
+        self._name: str | None = None  # the object being filled
+        self._body = ""  # its text (uploaded unless _unsent)
+        self._unsent = False
         self._seq = 0
         self._last_ns = 0
         self._last_upload = time.monotonic()
@@ -75,30 +80,33 @@ class ObjectLog:
         self._background.start()
 
     def upload(self) -> None:
-        """Send everything pending (and a failed upload's lines) as one object."""
+        """Send everything pending: the current object is rewritten with it appended
+        (a new object is started once one holds ``CHUNK_BYTES``)."""
         with self._upload_lock:
             with self._lock:
-                text = "".join(self._pending)
+                new = "".join(self._pending)
                 self._pending = []
                 self._last_upload = time.monotonic()
                 segment = self._segment
-            if self._failed is not None:
-                name, before = self._failed
-                text = before + text
-            elif not text:
+            if not new and not self._unsent:
                 return
-            else:
-                name = self._next_name(segment)
+            if self._name is None:
+                self._name = self._next_name(segment)
+            body = self._body + new
             try:
-                self.folder.store.put((self.folder / name).key, text.encode("utf-8"))
+                self.folder.store.put((self.folder / self._name).key, body.encode("utf-8"))
             except CheckpointError:
-                self._failed = (name, text)
+                self._body, self._unsent = body, True  # retried, same name, with what follows
                 raise
-            self._failed = None
+            self._unsent = False
+            if len(body) >= CHUNK_BYTES:
+                self._name, self._body = None, ""
+            else:
+                self._body = body
 
     def pending(self) -> bool:
         with self._lock:
-            return bool(self._pending) or self._failed is not None
+            return bool(self._pending) or self._unsent
 
     def _next_name(self, segment: str) -> str:
         now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing in this process
