@@ -126,6 +126,10 @@ def restore(
     loaded = verify.LoadedFingerprints(targets)
     where = folder if ckdir_remote(folder) else str(folder)
     reader = ShardReader(where, doc["tensors"], on_loaded=loaded.loaded)
+    # The targets are new tensors: nothing live changes while the checkpoint is read, so
+    # the undo (a copy of the model's tensors) is made meanwhile.
+    undos = collective.agree(lambda: snapshot.begin(active))
+    assert undos is not None
     try:
         with quiet_single_process():
             dcp.load(
@@ -143,7 +147,8 @@ def restore(
     collective.agree(lambda: _raise_corrupt(problems))
 
     states = {c.name: tree.decode(skeletons[c.name], targets) for c in active}
-    undo = [snapshot.take(c) for c in active]  # nothing live has changed up to here
+    undo = collective.agree(undos)  # nothing live has changed up to here
+    assert undo is not None
     touched: list[int] = []  # indices into active whose install began
     try:
 

@@ -3,15 +3,17 @@
 A restore is all or nothing. Everything is read and verified before the first live
 object changes; if installing or the checks after it fail midway, each component is put
 back with the undo taken here. Costs: a model's tensors are cloned on their own device
-(one extra copy of the weights while the restore runs); an optimizer keeps references to
-its previous state (``load_state_dict`` replaces state objects, it does not write into
-them); other components' ``state_dict()`` is deep-copied.
+(one extra copy of the weights while the restore runs; :func:`begin` makes that copy
+while the checkpoint is being read); an optimizer keeps references to its previous state
+(``load_state_dict`` replaces state objects, it does not write into them); other
+components' ``state_dict()`` is deep-copied.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -30,6 +32,34 @@ def take(component: Component) -> Undo:
     if isinstance(component, OptimizerComponent):
         return _optimizer(component)
     return _stateful(component)
+
+
+def begin(components: Sequence[Component]) -> Callable[[], list[Undo]]:
+    """Start taking the undos of ``components``, to be collected (in order) by calling the
+    result, before anything is installed. Each component's state is captured here, in the
+    calling thread (a capture may be collective); the model's tensors are cloned in a
+    background thread meanwhile, overlapping whatever the caller does next (the read).
+    The live objects must not change until the result is called."""
+    undos: list[Undo | None] = []
+    models: list[tuple[int, ModelComponent, Any]] = []
+    for i, c in enumerate(components):
+        if isinstance(c, ModelComponent):
+            models.append((i, c, c.capture()))
+            undos.append(None)
+        else:
+            undos.append(take(c))
+    if not models:
+        return lambda: list(undos)  # type: ignore[arg-type]
+    pool = ThreadPoolExecutor(1, thread_name_prefix="unbroken-undo")
+    copying = pool.submit(lambda: [(i, c, _clone(state)) for i, c, state in models])
+    pool.shutdown(wait=False)
+
+    def collect() -> list[Undo]:
+        for i, c, before in copying.result():
+            undos[i] = lambda c=c, before=before: c.install(before)
+        return list(undos)  # type: ignore[arg-type]
+
+    return collect
 
 
 def _clone(value: Any) -> Any:
