@@ -11,7 +11,7 @@ import torch
 
 import unbroken as ub
 from conftest import Problem, assert_same_training_state
-from unbroken.format import shards
+from unbroken.format import shard_writer
 
 
 def test_changes_after_save_returns_do_not_leak_into_the_checkpoint(ckpt_dir, monkeypatch):
@@ -21,14 +21,14 @@ def test_changes_after_save_returns_do_not_leak_into_the_checkpoint(ckpt_dir, mo
     snapshot = copy.deepcopy(p)
 
     started, release = threading.Event(), threading.Event()
-    original = shards.ShardWriter.write_data
+    original = shard_writer.ShardWriter.write_data
 
     def slow_write(self, plan, planner):
         started.set()
         assert release.wait(30)
         return original(self, plan, planner)
 
-    monkeypatch.setattr(shards.ShardWriter, "write_data", slow_write)
+    monkeypatch.setattr(shard_writer.ShardWriter, "write_data", slow_write)
     ckpt = p.checkpointer(ckpt_dir, async_save=True)
     ckpt.save(3)
     assert started.wait(30)  # the write is in flight, held back ...
@@ -54,7 +54,7 @@ def test_background_error_surfaces_at_the_next_save_and_at_close(ckpt_dir, monke
     def full_disk(self, plan, planner):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shards.ShardWriter, "write_data", full_disk)
+    monkeypatch.setattr(shard_writer.ShardWriter, "write_data", full_disk)
     ckpt.save(2)  # returns: the failure happens in the background
     with pytest.raises(ub.CheckpointError, match="disk is full"):
         ckpt.save(3)

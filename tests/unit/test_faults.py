@@ -14,7 +14,7 @@ import torch
 
 import unbroken as ub
 from conftest import Problem
-from unbroken.format import manifest, shards, storage
+from unbroken.format import manifest, shard_writer, shards, storage
 
 
 def _saved(ckpt_dir, steps=(1,)) -> Problem:
@@ -63,7 +63,7 @@ def test_disk_full_keeps_the_last_checkpoint_and_training_goes_on(
     leaves the previous checkpoint untouched, and a later save succeeds."""
     if how == "injected" or small_filesystem is None:
         root = tmp_path / "ckpts"
-        original = shards.ShardWriter.write_data
+        original = shard_writer.ShardWriter.write_data
         calls = {"n": 0}
 
         def fail_part_way(self, plan, planner):
@@ -74,7 +74,7 @@ def test_disk_full_keeps_the_last_checkpoint_and_training_goes_on(
                 raise OSError(errno.ENOSPC, "No space left on device")
             return original(self, plan, planner)
 
-        monkeypatch.setattr(shards.ShardWriter, "write_data", fail_part_way)
+        monkeypatch.setattr(shard_writer.ShardWriter, "write_data", fail_part_way)
     else:
         root = small_filesystem / "ckpts"
     p = _big_problem()

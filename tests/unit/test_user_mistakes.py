@@ -9,7 +9,7 @@ import torch
 
 import unbroken as ub
 from conftest import Problem
-from unbroken.format import shards
+from unbroken.format import shard_writer
 
 
 def test_ctrl_c_during_save_propagates_unchanged(ckpt_dir, monkeypatch):
@@ -24,7 +24,7 @@ def test_ctrl_c_during_save_propagates_unchanged(ckpt_dir, monkeypatch):
         raise KeyboardInterrupt
 
     with monkeypatch.context() as m:
-        m.setattr(shards.ShardWriter, "write_data", interrupted)
+        m.setattr(shard_writer.ShardWriter, "write_data", interrupted)
         with pytest.raises(KeyboardInterrupt):
             try:
                 ckpt.save(2)

@@ -27,7 +27,8 @@ from .._version import __version__
 from ..errors import CheckpointError
 from ..format import fingerprint, layout, manifest, tree
 from ..format.filesystem import free_space
-from ..format.shards import ShardWriter, quiet_single_process
+from ..format.shard_writer import ShardWriter, write_files
+from ..format.shards import quiet_single_process
 from ..format.storage import CheckpointDir
 from ..live.state import Component, ModelComponent, StatefulComponent, device_kind
 from . import collective, verify
@@ -205,7 +206,8 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
         {k for k, t in flat.items() if not isinstance(t, DTensor)} if rank == 0 else set()
     )
     where = partial if ckdir.remote else str(partial)
-    writer = ShardWriter(where, rank=rank, name=ckdir.shard_name(partial, rank))
+    writer = ShardWriter(where, rank=rank, name=ckdir.shard_name(partial, rank),
+                         files=write_files())  # fmt: skip
     # Fingerprints are computed while DCP writes: file I/O and torch kernels both
     # release the GIL, so the two overlap on separate cores.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-fp") as pool:
@@ -225,7 +227,7 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
             "partials": partials.result(),
             "info": staged.info,
             "skeletons": {name: staged.skeletons[name] for name in staged.per_rank},
-            "file": writer.file_record,
+            "files": writer.file_records,
             "probe": request.probe,
         }
     gathered = collective.gather_all(local)
@@ -277,7 +279,7 @@ def _manifest_body(
         else:
             entry["state"] = staged.skeletons[c.name]
         components[c.name] = entry
-    files = dict(g["file"] for g in gathered if g["file"] is not None)
+    files = dict(record for g in gathered for record in g["files"])
     probes = [g["probe"] for g in gathered]
     return {
         "step": request.step,

@@ -2,9 +2,10 @@
 
 DCP plans who writes which shard and who reads which byte range when the world size
 changes; these storage classes decide how bytes are laid out. Each rank writes one file
-of raw little-endian tensor bytes (no pickle, no zip), hashing every chunk with xxh3-128
+(two side by side for a large shard on a local disk) of raw little-endian tensor bytes (no pickle, no zip), hashing every chunk with xxh3-128
 as it goes. The reader gets its metadata from our JSON manifest instead of DCP's
 pickled ``.metadata`` file, and checks each chunk's checksum before any byte is used.
+The writer is in ``shard_writer.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -26,19 +28,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
-    SavePlan,
-    SavePlanner,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CorruptCheckpointError
-from .filesystem import SAVE_FIX, writing
 from .remote import RemotePath
 
 
@@ -77,80 +71,6 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def checksum(data: memoryview | bytes) -> str:
     return xxhash.xxh3_128_hexdigest(data)
-
-
-class ShardWriter(StorageWriter):
-    """Writes this rank's tensors to ``name`` (``rank_NNNNN.bin``) in ``directory``; fsyncs
-    it. On an object store (``directory`` a ``RemotePath``) the object is uploaded in
-    parallel parts straight from the tensors' memory.
-
-    After ``dcp.save`` returns, the coordinator's ``metadata`` holds every chunk's
-    location across ranks and ``files`` (on each rank) this rank's file record.
-    """
-
-    def __init__(self, directory: str | RemotePath, *, rank: int, name: str | None = None) -> None:
-        super().__init__()
-        self.directory = directory
-        self.rank = rank
-        self.name = name or shard_file_name(rank)
-        self.metadata: Metadata | None = None
-        self.file_record: tuple[str, dict[str, object]] | None = None
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id and not isinstance(self.directory, RemotePath):
-            self.directory = os.fspath(checkpoint_id)
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        name = self.name
-        results: list[WriteResult] = []
-        remote = isinstance(self.directory, RemotePath)
-        segments: list[memoryview] = []  # a store's object is uploaded whole, in parts
-        path = self.directory / name if remote else os.path.join(self.directory, name)
-        offset = 0
-        with contextlib.ExitStack() as stack:
-            if not remote:
-                stack.enter_context(writing(path, "writing", SAVE_FIX))
-                f = stack.enter_context(open(path, "wb"))
-            for item in plan.items:
-                if item.type == WriteItemType.BYTE_IO:
-                    raise TypeError(
-                        f"{item.index.fqn}: only tensors go to shard files (a bug in unbroken)"
-                    )
-                data = tensor_bytes(planner.resolve_data(item))
-                if remote:
-                    segments.append(data)
-                else:
-                    f.write(data)
-                location = ChunkLocation(name, offset, len(data), checksum(data))
-                offset += len(data)
-                results.append(WriteResult(item.index, len(data), location))
-            if remote:
-                path.store.upload(path.key, segments)
-            else:
-                f.flush()
-                os.fsync(f.fileno())
-        chunk_sums = "".join(r.storage_data.checksum for r in results)
-        self.file_record = (name, {"size": offset, "checksum": checksum(chunk_sums.encode())})
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.storage_data = {r.index: r.storage_data for rs in results for r in rs}
-        self.metadata = metadata
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True
 
 
 def metadata_from_entries(entries: dict[str, dict]) -> Metadata:
@@ -268,8 +188,6 @@ class ShardReader(StorageReader):
         fetched in parallel by ``Store.read_into``."""
         if not isinstance(self.directory, RemotePath):
             return {}
-        from concurrent.futures import ThreadPoolExecutor
-
         from .remote import concurrency
 
         pool = stack.enter_context(

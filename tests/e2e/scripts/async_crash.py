@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import unbroken as ub
-from unbroken.format import shards
+from unbroken.format import shard_writer
 
-original = shards.ShardWriter.write_data
+original = shard_writer.ShardWriter.write_data
 
 
 def slow_write(self, plan, planner):
@@ -27,7 +27,7 @@ def main() -> None:
         model.weight.fill_(1)
     ckpt.save(1)
     ckpt.wait()
-    shards.ShardWriter.write_data = slow_write
+    shard_writer.ShardWriter.write_data = slow_write
     with torch.no_grad():
         model.weight.fill_(2)
     ckpt.save(2)

@@ -1,0 +1,111 @@
+"""A large local shard is written as two files side by side (format/shard_writer.py).
+
+Two files written in parallel finish sooner than one on the disks measured (the save
+target of issue 15); these tests hold the split to the same guarantees as one file: the
+restore is bit for bit the saved state, both files are listed, checksummed and fsynced,
+damage to either is named, and a failure while writing one commits nothing.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import Problem, assert_same_training_state
+from unbroken.errors import CheckpointError, CorruptCheckpointError
+from unbroken.format import shard_writer
+
+
+@pytest.fixture
+def split(monkeypatch):
+    """Split even the tiny test state (the threshold is 64 MB)."""
+    monkeypatch.setattr(shard_writer, "SPLIT_MIN_BYTES", 1024)
+
+
+def _files(step_dir):
+    return sorted(p.name for p in step_dir.glob("rank_*"))
+
+
+def test_split_save_restores_bit_exactly(split, ckpt_dir):
+    """Guarantee (DESIGN.md's silent-drift class): a shard split over two files comes back
+    bit for bit, every chunk read from the file the manifest names."""
+    a = Problem()
+    a.step()
+    a.checkpointer(ckpt_dir).save(1)
+    step = ckpt_dir / "step_00000001"
+    assert _files(step) == ["rank_00000.1.bin", "rank_00000.bin"]
+    doc = json.loads((step / "manifest.json").read_text())
+    assert set(doc["files"]) == {"rank_00000.bin", "rank_00000.1.bin"}
+    used = {c["file"] for t in doc["tensors"].values() for c in t["chunks"]}
+    assert used == set(doc["files"])
+    b = Problem(seed=3)
+    report = b.checkpointer(ckpt_dir).restore()
+    assert report.verified
+    assert_same_training_state(a, b)
+
+
+def test_damage_in_the_second_file_is_named(split, ckpt_dir):
+    """Guarantee: a flipped byte in the second file is caught and named before anything
+    is installed."""
+    a = Problem()
+    a.checkpointer(ckpt_dir).save(1)
+    second = ckpt_dir / "step_00000001" / "rank_00000.1.bin"
+    data = bytearray(second.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    second.write_bytes(bytes(data))
+    b = Problem(seed=3)
+    before = {k: v.clone() for k, v in b.model.state_dict().items()}
+    with pytest.raises(CorruptCheckpointError, match=r"rank_00000\.1\.bin"):
+        b.checkpointer(ckpt_dir).restore(step=1)
+    assert all(torch.equal(before[k], v) for k, v in b.model.state_dict().items())
+
+
+def test_a_failure_in_one_writer_commits_nothing(split, ckpt_dir, monkeypatch):
+    """Guarantee: when one of the two parallel writes fails, the save raises and the last
+    committed checkpoint stays the newest."""
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir)
+    ckpt.save(1)
+    real = shard_writer.ShardWriter._write_file
+
+    def failing(self, name, items, planner):
+        if name.endswith(".1.bin"):
+            raise OSError(28, "No space left on device", name)
+        return real(self, name, items, planner)
+
+    monkeypatch.setattr(shard_writer.ShardWriter, "_write_file", failing)
+    p.step()
+    with pytest.raises((CheckpointError, OSError)):
+        ckpt.save(2)
+    assert sorted(x.name for x in ckpt_dir.iterdir() if x.name.startswith("step_")) == [
+        "step_00000001"
+    ]
+
+
+def test_small_shards_stay_one_file(ckpt_dir):
+    """Below the threshold (64 MB) a shard is one file, as before."""
+    Problem().checkpointer(ckpt_dir).save(1)
+    assert _files(ckpt_dir / "step_00000001") == ["rank_00000.bin"]
+
+
+def test_split_keeps_plan_order_and_balances_bytes():
+    """The runs are contiguous in plan order and of about equal size."""
+
+    class Item:
+        def __init__(self, n):
+            self.n = n
+
+        def tensor_storage_size(self):
+            return self.n
+
+    items = [Item(n) for n in (5, 1, 1, 1, 1, 1)]
+    old = shard_writer.SPLIT_MIN_BYTES
+    try:
+        shard_writer.SPLIT_MIN_BYTES = 1
+        groups = shard_writer._split(items, 2)
+    finally:
+        shard_writer.SPLIT_MIN_BYTES = old
+    assert [[i.n for i in g] for g in groups] == [[5], [1, 1, 1, 1, 1]]
+    assert shard_writer._split(items, 1) == [items]
