@@ -153,9 +153,9 @@ def _restore_table(r: Result, notes: list[str]) -> str:
 
 def behind(r: Result) -> list[str]:
     """Every figure where a peer's median beats ours' (of the same kind), by how much
-    (memory: by more than 1 MB and 1% of the state)."""
+    (memory: by more than 8 MB and 2% of the state, below which it is Python objects)."""
     out = []
-    noise = max(1e6, 0.01 * r.nbytes)
+    noise = max(8e6, 0.02 * r.nbytes)
     for s in r.saves.values():
         base = r.saves.get(BASELINE[s.kind])
         if s.key.startswith("ours") or base is None or not s.blocked or not base.blocked:
@@ -163,11 +163,11 @@ def behind(r: Result) -> list[str]:
         for name, mine, theirs in [("blocked", base.blocked, s.blocked),
                                    ("until durable", base.durable, s.durable)]:  # fmt: skip
             a, b = _med(mine), _med(theirs)
-            if a is not None and b is not None and b < a:
+            if a is not None and b is not None and 0 < b < a:
                 out.append(f"save {name}: {s.label} {b:.3f} s, {base.label} {a:.3f} s "
                            f"({a / b:.2f}x, +{a - b:.3f} s)")  # fmt: skip
         for name, a, b in [("peak extra memory", base.peak, s.peak),
-                           ("memory kept between saves", base.kept, s.kept)]:  # fmt: skip
+                           ("memory kept between saves", base.kept, max(0, s.kept))]:  # fmt: skip
             if b < a and a - b > noise:
                 out.append(f"save {name}: {s.label} {b / 1e6:.0f} MB, {base.label} "
                            f"{a / 1e6:.0f} MB (+{(a - b) / 1e6:.0f} MB)")  # fmt: skip
@@ -177,7 +177,7 @@ def behind(r: Result) -> list[str]:
             continue
         for name, mine, theirs in [("cold", ours.cold, x.cold), ("warm", ours.warm, x.warm)]:
             a, b = statistics.median(mine), statistics.median(theirs)
-            if b < a:
+            if 0 < b < a:
                 out.append(f"restore {name}: {x.label} {b:.3f} s, ours {a:.3f} s "
                            f"({a / b:.2f}x, +{a - b:.3f} s)")  # fmt: skip
         if ours.peak - x.peak > noise:
@@ -236,7 +236,7 @@ def render(results: list[Result], info: dict[str, str], elapsed: float, *, markd
         out.append(_save_table(r, notes))
         out.append("")
         out.append(_restore_table(r, notes))
-        out += ["", *(f"[{i}] {n}" for i, n in enumerate(notes, 1))] if notes else []
+        out += ["", *(f"- [{i}] {n}" for i, n in enumerate(notes, 1))] if notes else []
         lines = behind(r)
         out.append(f"\nWhere ours is behind ({head}, from the medians):")
         out += [f"- {x}" for x in lines] or ["- nowhere"]
