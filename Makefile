@@ -50,12 +50,23 @@ clean:
 	rm -rf $(VENV) $(VENV_NEXT) build *.egg-info src/*.egg-info
 
 # Save/restore benchmarks (5-9 minutes on 2 cores): prints the tables, regenerates
-# docs/benchmarks.md (keeping the object-store and async sections), then times the
+# docs/benchmarks.md (keeping the object-store, async and peers sections), then times the
 # async_save modes. A smoke test: $(PY) benchmarks/save_restore.py --quick
+# Then the peers side by side (benchmarks/peers.py: ours, DCP, torch.save and
+# torch-checkpointing; roughly 10 minutes more on 2 idle cores, estimated from a 100 MB
+# run), which needs the bench extra, installed with torch pinned so that pip never swaps
+# the torch CI tests. A smoke test: $(PY) benchmarks/peers.py --quick
+STAMP_BENCH := $(VENV)/.installed-bench
+
+$(STAMP_BENCH): $(STAMP) pyproject.toml
+	$(PY) -m pip install --quiet -e ".[dev,bench]" torch==2.13.0
+	touch $(STAMP_BENCH)
+
 .PHONY: bench
-bench: $(STAMP)
+bench: $(STAMP_BENCH)
 	$(PY) benchmarks/save_restore.py --write-docs
 	$(PY) benchmarks/async_overhead.py --batch 1
+	$(PY) benchmarks/peers.py --write-docs
 
 # Reader/writer races for a minute (the suite runs them for a few seconds) and the other
 # concurrency and fault tests of docs/reliability.md: the verdict must be zero false

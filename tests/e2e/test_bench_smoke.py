@@ -32,3 +32,21 @@ def test_health_check_benchmark_quick_smoke():
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "metric check: alarms / cut points" in done.stdout
     assert "full check via Checkpointer: caught" in done.stdout
+
+
+def test_peers_benchmark_quick_smoke(tmp_path):
+    """benchmarks/peers.py --quick measures every contender and prints both tables; ours
+    and DCP restore exactly (torch-checkpointing's rows may be dashes where it is not
+    installed: it is a bench extra, not a test dependency)."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH.with_name("peers.py")), "--quick", "--tmpdir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out = done.stdout
+    assert "| ours: save (sync, verified)" in out
+    assert "restore (fresh process, fresh objects)" in out
+    for row in ("ours: restore()", "DCP load + set_state_dict", "torch.load + load_state_dict"):
+        line = next(x for x in out.splitlines() if x.startswith(f"| {row} "))
+        assert line.rstrip(" |").endswith("exact"), line
+    assert "Where ours is behind" in out
