@@ -38,8 +38,7 @@ from common import (  # noqa: E402
     state_bytes,
     table,
 )
-
-START, END = "<!-- object-store:start -->", "<!-- object-store:end -->"
+from docs_sections import replace_section  # noqa: E402
 
 
 def _free_port() -> int:
@@ -150,7 +149,6 @@ def render(results: dict[str, list[float]], nbytes: int, repeats: int, load: flo
 
     machine = "\n".join(f"- {k}: {v}" for k, v in info.items())
     return "\n".join([
-        START,
         f"## Object store (S3 API on loopback) vs local disk, {nbytes / 1e9:.2f} GB, "
         f"median of {repeats} runs",
         "",
@@ -170,19 +168,7 @@ def render(results: dict[str, list[float]], nbytes: int, repeats: int, load: flo
         f"{os.environ.get('UNBROKEN_STORE_CONCURRENCY', '8')} in flight per rank",
         "",
         table(["what", "median s", "min-max s", "GB/s", "x local"], rows),
-        END,
     ])  # fmt: skip
-
-
-def write_docs(section: str) -> None:
-    path = HERE.parent / "docs" / "benchmarks.md"
-    text = path.read_text()
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
 
 
 def main() -> None:
@@ -195,7 +181,7 @@ def main() -> None:
     section = render(results, nbytes, args.repeats, load)
     print(section)
     if args.write_docs:
-        write_docs(section)
+        replace_section("object-store", section)
 
 
 if __name__ == "__main__":

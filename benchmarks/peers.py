@@ -52,7 +52,8 @@ from common import (
     rss,
     state_bytes,
 )
-from peers_contenders import CONTENDERS, RESTORE_FROM, Contender, restore
+from docs_sections import DOCS, replace_section
+from peers_contenders import CONTENDERS, RESTORE_FROM, Contender, import_library, restore
 from peers_report import Result
 
 HERE = Path(__file__).resolve().parent
@@ -144,6 +145,7 @@ def restore_worker(args: argparse.Namespace) -> None:
               for _ in range(layer_count(args.mb, args.width)))
         )  # fmt: skip
     model, opt = fresh_like(like)
+    import_library(args.restore_worker)
     release_free_memory()
     with PeakRSS() as mem:
         start = time.perf_counter()
@@ -289,7 +291,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke test: a {QUICK_MB:g} MB state, 1 round")  # fmt: skip
     parser.add_argument("--markdown", action="store_true", help="also print the docs section")
-    parser.add_argument("--write-docs", nargs="?", const=str(peers_report.DOCS), default=None,
+    parser.add_argument("--write-docs", nargs="?", const=str(DOCS), default=None,
                         metavar="PATH", help="put the section in docs/benchmarks.md")  # fmt: skip
     parser.add_argument("--tmpdir", default=tempfile.gettempdir(),
                         help="where the temporary checkpoints go (one disk for all)")  # fmt: skip
@@ -319,7 +321,7 @@ def main() -> None:
         if args.markdown:
             print("\n" + section)
         if args.write_docs:
-            peers_report.write_docs(Path(args.write_docs), section)
+            replace_section("peers", section, Path(args.write_docs))
             print(f"\nwrote {args.write_docs}")
 
 

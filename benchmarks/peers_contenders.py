@@ -239,6 +239,15 @@ RESTORE_LABELS = {
 }
 
 
+def import_library(family: str) -> None:
+    """Import what ``restore(family, ...)`` uses, so that a restore's time leaves out the
+    one-time cost of importing its library (as a resumed job imports it at start-up)."""
+    if family == "ours":
+        import unbroken.checkpointer  # noqa: F401  (``import unbroken`` alone is lazy)
+    elif family == "tc":
+        _tc_config(False, asynchronous=False)
+
+
 def restore(family: str, path: str, model: nn.Module, opt: Optim) -> None:
     """Read the checkpoint at ``path`` into ``model`` and ``opt`` (fresh objects)."""
     if family == "ours":

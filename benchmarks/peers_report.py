@@ -6,18 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from pathlib import Path
 
 from common import table
 from peers_contenders import RESTORE_LABELS
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
-START, END = "<!-- peers:start -->", "<!-- peers:end -->"
-OTHERS = "<!-- Sections below belong to other benchmarks"
-OTHERS_LINE = (
-    "<!-- Sections below belong to other benchmarks (object_store.py, async_overhead.py, "
-    "peers.py); save_restore.py --write-docs keeps them. -->"
-)
 BASELINE = {"sync": "ours", "async": "ours_overlap"}  # what "x ours" divides by
 
 
@@ -212,7 +204,8 @@ FOOTNOTES = [
     "False)` is its documented switch for that. Its load uses a sync-configured manager "
     "(loads need no writer process).",
     "Restores run in a fresh process with fresh objects (another seed; AdamW without state) "
-    "and time only the restore call: *cold* after evicting the checkpoint's files from the "
+    "and time only the restore call (each library imported beforehand, as a job does at "
+    "start-up; the call includes building its manager or Checkpointer): *cold* after evicting the checkpoint's files from the "
     "page cache, *warm* after reading them once. *correct*: after the cold restore, every "
     "model and optimizer tensor (and the param groups) hashed with blake2b of its bytes, "
     "with dtype, shape, stride and device, against the saved state's hashes.",
@@ -243,23 +236,3 @@ def render(results: list[Result], info: dict[str, str], elapsed: float, *, markd
     out.append("\nNotes:")
     out += [f"- {n}" for n in FOOTNOTES]
     return "\n".join(out)
-
-
-def write_docs(path: Path, section: str) -> None:
-    """Replace the peers section of ``path``, or insert it after the marker that
-    ``save_restore.py --write-docs`` keeps everything below of (adding the marker)."""
-    block = f"{START}\n{section.strip()}\n{END}"
-    text = path.read_text() if path.exists() else ""
-    if OTHERS in text and "peers.py" not in text.split(OTHERS, 1)[1].split("\n", 1)[0]:
-        i = text.index(OTHERS)  # the marker names the sections it keeps: add ours
-        text = text[:i] + OTHERS_LINE + text[text.index("\n", i) :]
-    if START in text and END in text:
-        head, rest = text.split(START, 1)
-        text = head + block + rest.split(END, 1)[1]
-    elif OTHERS in text:
-        i = text.index(OTHERS)
-        j = text.index("\n", i) + 1 if "\n" in text[i:] else len(text)
-        text = text[:j] + "\n" + block + "\n" + text[j:]
-    else:
-        text = text.rstrip("\n") + "\n\n" + OTHERS_LINE + "\n\n" + block + "\n"
-    path.write_text(text)

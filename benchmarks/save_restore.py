@@ -52,11 +52,12 @@ from common import (
     state_bytes,
     state_tensors,
 )
+from docs_sections import DOCS, below_marker
 from reporting import Row, SizeResult
 from verification_cost import checksum_all, fingerprint_all
 
 HERE = Path(__file__).resolve().parent
-DOCS = HERE.parent / "docs" / "benchmarks.md"
+
 QUICK_MB, QUICK_WIDTH = 4.0, 256
 
 
@@ -378,17 +379,8 @@ def main() -> None:
         command = "python benchmarks/save_restore.py " + " ".join(sys.argv[1:])
         docs = Path(args.write_docs)
         ours = reporting.render(results, info, elapsed, markdown=True, command=command.strip())
-        docs.write_text(ours.rstrip("\n") + "\n\n" + _other_sections(docs))
+        docs.write_text(ours.rstrip("\n") + "\n\n" + below_marker(docs))
         print(f"\nwrote {args.write_docs}")
-
-
-OTHERS = "<!-- Sections below belong to other benchmarks"
-
-
-def _other_sections(docs: Path) -> str:
-    """The sections of ``docs`` other benchmarks own (from the marker on), kept as they are."""
-    text = docs.read_text() if docs.exists() else ""
-    return text[text.index(OTHERS) :] if OTHERS in text else ""
 
 
 if __name__ == "__main__":

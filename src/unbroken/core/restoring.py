@@ -121,15 +121,14 @@ def restore(
             targets.update(c.targets(keys, live))
         return targets
 
-    targets = collective.agree(build_targets)
-    assert targets is not None
+    # The targets are new tensors: nothing live changes while the checkpoint is read, so
+    # the undo (a copy of the model's tensors) is made meanwhile.
+    prepared = collective.agree(lambda: (build_targets(), snapshot.begin(active)))
+    assert prepared is not None
+    targets, undos = prepared
     loaded = verify.LoadedFingerprints(targets)
     where = folder if ckdir_remote(folder) else str(folder)
     reader = ShardReader(where, doc["tensors"], on_loaded=loaded.loaded)
-    # The targets are new tensors: nothing live changes while the checkpoint is read, so
-    # the undo (a copy of the model's tensors) is made meanwhile.
-    undos = collective.agree(lambda: snapshot.begin(active))
-    assert undos is not None
     try:
         with quiet_single_process():
             dcp.load(
@@ -144,11 +143,14 @@ def restore(
     problems = loaded.check(doc["tensors"])
     if problems:  # damaged data (or a bug) caught before anything live was touched
         problems = [f"{folder}: {p}" for p in problems]
-    collective.agree(lambda: _raise_corrupt(problems))
 
-    states = {c.name: tree.decode(skeletons[c.name], targets) for c in active}
-    undo = collective.agree(undos)  # nothing live has changed up to here
+    def checked_undos() -> list[snapshot.Undo]:
+        _raise_corrupt(problems)
+        return undos()  # nothing live has changed up to here
+
+    undo = collective.agree(checked_undos)
     assert undo is not None
+    states = {c.name: tree.decode(skeletons[c.name], targets) for c in active}
     touched: list[int] = []  # indices into active whose install began
     try:
 
