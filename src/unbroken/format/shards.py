@@ -10,6 +10,7 @@ The writer is in ``shard_writer.py``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -182,27 +183,55 @@ class ShardReader(StorageReader):
     def _read_ahead(
         self, items: list, planner: LoadPlanner, uses: Counter, stack: contextlib.ExitStack
     ) -> dict[int, tuple[torch.Tensor, Any]]:
-        """On an object store, every chunk that goes straight into its target is fetched
-        (and checked) in parallel: position in ``items`` -> (target, future). A request
-        has a latency that a local read does not; ranges of one large chunk are already
-        fetched in parallel by ``Store.read_into``."""
-        if not isinstance(self.directory, RemotePath):
-            return {}
-        from .remote import concurrency
-
-        pool = stack.enter_context(
-            ThreadPoolExecutor(concurrency(), thread_name_prefix="unbroken-read")
-        )
-        stack.callback(lambda: [f.cancel() for _, f in ahead.values()])
-        ahead: dict[int, tuple[torch.Tensor, Any]] = {}
+        """Chunks that go straight into their targets, fetched (and checked) in parallel
+        ahead of the loop that commits them: position in ``items`` -> (target, future).
+        On an object store every such chunk is its own request (a request has a latency
+        that a local read does not; ranges of one large chunk are already fetched in
+        parallel by ``Store.read_into``). On a local disk, where a rank's shard is split
+        over several files, each file is read start to end by a thread of its own, as it
+        was written; one file is read by the caller's loop."""
+        whole: dict[int, torch.Tensor] = {}
         for i, req in enumerate(items):
             if req.type != LoadItemType.TENSOR:
                 continue
             target = planner.resolve_tensor(req).detach()
             if uses[req.storage_index] == 1 and self._fits_whole(req, target):
-                job = pool.submit(self._read_chunk, req.storage_index, stack, {}, into=target)
-                ahead[i] = (target, job)
-        return ahead
+                whole[i] = target
+        if isinstance(self.directory, RemotePath):
+            from .remote import concurrency
+
+            workers = concurrency()
+            groups = [[i] for i in whole]
+        else:
+            by_file: dict[str, list[int]] = {}
+            for i in whole:
+                by_file.setdefault(self._location(items[i].storage_index).file, []).append(i)
+            if len(by_file) < 2:
+                return {}
+            workers = len(by_file)
+            groups = list(by_file.values())
+        futures: dict[int, concurrent.futures.Future[None]] = {
+            i: concurrent.futures.Future() for i in whole
+        }
+        pool = stack.enter_context(ThreadPoolExecutor(workers, thread_name_prefix="unbroken-read"))
+        stack.callback(lambda: [f.cancel() for f in futures.values()])
+
+        def read(indices: list[int]) -> None:
+            with contextlib.ExitStack() as own:
+                opened: dict[str, Any] = {}
+                for i in indices:
+                    if not futures[i].set_running_or_notify_cancel():
+                        return  # cancelled: the caller gave up
+                    try:
+                        self._read_chunk(items[i].storage_index, own, opened, into=whole[i])
+                    except BaseException as exc:
+                        futures[i].set_exception(exc)
+                        return  # the caller raises it; the rest of this file is not read
+                    futures[i].set_result(None)
+
+        for group in groups:
+            pool.submit(read, group)
+        return {i: (whole[i], futures[i]) for i in whole}
 
     def _location(self, index: MetadataIndex) -> ChunkLocation:
         return self.metadata.storage_data[index]
