@@ -38,11 +38,11 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check src tests examples benchmarks
 
 test: lint
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 # The whole suite again on torch 2.14.1.
 test-torch2.14: $(STAMP_NEXT)
-	$(VENV_NEXT)/bin/python -m pytest -q tests
+	$(VENV_NEXT)/bin/python -m pytest -q --durations=15 tests
 
 test-all: test test-torch2.14
 
