@@ -2,12 +2,12 @@
 
 Rank 0 appends to ``DIR/metrics.jsonl`` as it tracks (fsynced at every save and at
 ``close()``; on an object store the same lines go into objects under ``PREFIX/metrics/``,
-see :mod:`.metric_objects`): a segment header when a Checkpointer starts (with the step it resumed from,
-the segment that saved that checkpoint, and the world size), then one line per tracked
-step; health-check warnings and the replay check's verdict have lines of their own.
-Reading replays the file in order: a segment that resumed from step R drops every later
-step of the timelines before it, and a replayed step replaces the old value, so the series
-has no duplicates and follows the timeline that survived.
+see :mod:`.metric_objects`): a segment header when a Checkpointer starts (with the step
+it resumed from, the segment that saved that checkpoint, and the world size), then one
+line per tracked step; health-check warnings and the replay check's verdict have lines
+of their own. Reading replays the lines in order: a segment that resumed from step R
+drops every later step of the timelines before it, and a replayed step replaces the old
+value, so the series has no duplicates and follows the timeline that survived.
 """
 
 from __future__ import annotations
