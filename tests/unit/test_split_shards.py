@@ -20,7 +20,7 @@ from unbroken.format import shard_writer
 
 @pytest.fixture
 def split(monkeypatch):
-    """Split even the tiny test state (the threshold is 64 MB)."""
+    """Split even the tiny test state (a file holds at least 64 MiB otherwise)."""
     monkeypatch.setattr(shard_writer, "SPLIT_MIN_BYTES", 1024)
 
 
@@ -85,7 +85,7 @@ def test_a_failure_in_one_writer_commits_nothing(split, ckpt_dir, monkeypatch):
 
 
 def test_small_shards_stay_one_file(ckpt_dir):
-    """Below the threshold (64 MB) a shard is one file, as before."""
+    """Below the threshold (64 MiB per file) a shard is one file, as before."""
     Problem().checkpointer(ckpt_dir).save(1)
     assert _files(ckpt_dir / "step_00000001") == ["rank_00000.bin"]
 

@@ -25,7 +25,7 @@ def write_files() -> int:
     return min(int(env_number(FILES_ENV, 2, 1)), MAX_FILES_PER_RANK)
 
 
-SPLIT_MIN_BYTES = 64 << 20  # a shard smaller than this goes into one file
+SPLIT_MIN_BYTES = 64 << 20  # each file of a split shard holds at least this much
 
 
 def _split(items: list[Any], files: int) -> list[list[Any]]:
