@@ -115,19 +115,14 @@ def test_resume_test_and_plot_on_s3(tmp_path):
             assert result["passed"] and result["compared_steps"] == 12
             assert result["resumed_dir"] == "s3://cli/rt/resumed"
             assert not (work / "resumed").exists()  # the checkpoints went to the store
-            png = tmp_path / "m.png"
-            plotted = subprocess.run([*cmd, "plot", "s3://cli/rt/resumed", "--out", str(png)],
-                                     env=full, capture_output=True, text=True)  # fmt: skip
-            assert plotted.returncode == 0, plotted.stderr
+            png = tmp_path / "m.png"  # the rest in-process: no interpreter start-ups
+            plotted = run_cli("plot", "s3://cli/rt/resumed", "--out", png)
+            assert plotted.exit_code == 0, plotted.stdout + plotted.stderr
             assert "1 resume(s)" in plotted.stdout and png.stat().st_size > 10_000
-            again = subprocess.run(
-                [*cmd, "resume-test", "--stop-at", "13", "--workdir", str(tmp_path / "w2"),
-                 "--store", "s3://cli/rt", "--", sys.executable, str(TINY), "{dir}"],
-                env=full, capture_output=True, text=True, timeout=300,
-            )  # fmt: skip
-            assert again.returncode == 2 and "is not empty" in again.stderr
-            nothing = subprocess.run([*cmd, "plot", "s3://cli/none"], env=full,
-                                     capture_output=True, text=True)  # fmt: skip
-            assert nothing.returncode == 2 and "s3://cli/none/metrics/" in nothing.stderr
+            again = run_cli("resume-test", "--stop-at", "13", "--workdir", tmp_path / "w2",
+                            "--store", "s3://cli/rt", "--", sys.executable, TINY, "{dir}")  # fmt: skip
+            assert again.exit_code == 2 and "is not empty" in again.stderr
+            nothing = run_cli("plot", "s3://cli/none")
+            assert nothing.exit_code == 2 and "s3://cli/none/metrics/" in nothing.stderr
     finally:
         server.stop()

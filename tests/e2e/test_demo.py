@@ -15,7 +15,8 @@ DEMO = Path(__file__).parents[2] / "examples" / "demo.py"
 def test_demo_short(tmp_path):
     out = tmp_path / "demo"
     done = subprocess.run(
-        [sys.executable, str(DEMO), "--steps", "28", "--stop-at", "20", "--out", str(out)],
+        [sys.executable, str(DEMO), "--steps", "28", "--stop-at", "20", "--out", str(out),
+         "--parallel"],
         capture_output=True, text=True, timeout=400, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
