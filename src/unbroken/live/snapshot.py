@@ -25,41 +25,38 @@ from .state import Component, ModelComponent
 Undo = Callable[[], None]
 
 
-def take(component: Component) -> Undo:
-    """An undo for ``component``; it raises if the previous state cannot be put back."""
-    if isinstance(component, ModelComponent):
-        return _model(component)
+def begin(components: Sequence[Component]) -> Callable[[], list[Undo]]:
+    """Start taking the undos of ``components``, to be collected (in order) by calling the
+    result, before anything is installed; an undo raises if the previous state cannot be
+    put back. Each component's state is captured here, in the calling thread (a capture
+    may be collective); the model's tensors are cloned in a background thread meanwhile,
+    overlapping whatever the caller does next (the read). The live objects must not
+    change until the result is called."""
+    models = {i: c.capture() for i, c in enumerate(components) if isinstance(c, ModelComponent)}
+    others = {i: _take(c) for i, c in enumerate(components) if i not in models}
+    copying = None
+    if models:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="unbroken-undo")
+        copying = pool.submit(lambda: {i: _clone(state) for i, state in models.items()})
+        pool.shutdown(wait=False)
+
+    def collect() -> list[Undo]:
+        copies = copying.result() if copying is not None else {}
+        return [
+            others[i] if i in others else _reinstall(c, copies[i]) for i, c in enumerate(components)
+        ]
+
+    return collect
+
+
+def _take(component: Component) -> Undo:
     if isinstance(component, OptimizerComponent):
         return _optimizer(component)
     return _stateful(component)
 
 
-def begin(components: Sequence[Component]) -> Callable[[], list[Undo]]:
-    """Start taking the undos of ``components``, to be collected (in order) by calling the
-    result, before anything is installed. Each component's state is captured here, in the
-    calling thread (a capture may be collective); the model's tensors are cloned in a
-    background thread meanwhile, overlapping whatever the caller does next (the read).
-    The live objects must not change until the result is called."""
-    undos: list[Undo | None] = []
-    models: list[tuple[int, ModelComponent, Any]] = []
-    for i, c in enumerate(components):
-        if isinstance(c, ModelComponent):
-            models.append((i, c, c.capture()))
-            undos.append(None)
-        else:
-            undos.append(take(c))
-    if not models:
-        return lambda: list(undos)  # type: ignore[arg-type]
-    pool = ThreadPoolExecutor(1, thread_name_prefix="unbroken-undo")
-    copying = pool.submit(lambda: [(i, c, _clone(state)) for i, c, state in models])
-    pool.shutdown(wait=False)
-
-    def collect() -> list[Undo]:
-        for i, c, before in copying.result():
-            undos[i] = lambda c=c, before=before: c.install(before)
-        return list(undos)  # type: ignore[arg-type]
-
-    return collect
+def _reinstall(component: Component, before: Any) -> Undo:
+    return lambda: component.install(before)
 
 
 def _clone(value: Any) -> Any:
@@ -68,11 +65,6 @@ def _clone(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _clone(v) for k, v in value.items()}
     return value
-
-
-def _model(component: ModelComponent) -> Undo:
-    before = _clone(component.capture())
-    return lambda: component.install(before)
 
 
 def _optimizer(component: OptimizerComponent) -> Undo:
@@ -101,4 +93,4 @@ def _stateful(component: Component) -> Undo:
             raise RuntimeError(f"its state_dict() could not be copied beforehand ({why})")
 
         return cannot
-    return lambda: component.install(before)
+    return _reinstall(component, before)
