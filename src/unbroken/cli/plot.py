@@ -35,17 +35,18 @@ def plot_command(
     as_json: JsonOption = False,
 ) -> None:
     from ..format.remote import RemotePath, location
-    from ..proof.metrics import read_series, record_lines, record_name
+    from ..proof.metrics import record_lines, record_name, series_from_lines
     from ..proof.plotting import plot_series
 
     with guard():
         where = location(path)
-        if record_lines(where) is None:
+        lines = record_lines(where)  # read once: on a store, one request per object
+        if lines is None:
             raise CheckpointNotFoundError(
                 f"{record_name(where)} does not exist: no metrics were tracked in {where} "
                 "(call ckpt.track(step, loss=...) in the training loop)"
             )
-        series = read_series(where)
+        series = series_from_lines(lines)
         target = out or (
             Path("metrics.png") if isinstance(where, RemotePath) else where / "metrics.png"
         )

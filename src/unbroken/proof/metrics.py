@@ -271,10 +271,15 @@ def record_name(root: str | os.PathLike | RemotePath) -> str:
 def read_series(root: str | os.PathLike | RemotePath) -> Series:
     """The surviving timeline of every tracked metric of a run (a local checkpoint
     folder, or a store's URL)."""
+    return series_from_lines(record_lines(root) or [])
+
+
+def series_from_lines(lines: list[str]) -> Series:
+    """The surviving timeline of a metrics record's lines (:func:`record_lines`)."""
     by_step: dict[int, dict[str, float]] = {}
     resumes: list[int] = []
     warnings: list[tuple[int, str]] = []
-    for raw in record_lines(root) or []:
+    for raw in lines:
         try:
             line = json.loads(raw)
         except ValueError:
