@@ -31,8 +31,9 @@ With --resume-cmd (e.g. another world size) the resumed run may deviate by up to
 
 Writes a text report, a JSON result and a PNG plot into --workdir (default: a new
 temporary folder, printed). With --store URL the runs keep their checkpoints on an
-object store (URL/straight and URL/resumed; {dir} is replaced by those URLs). Exit 0 when identical (or within tolerance), 1 otherwise
-(the first differing step and metric named), 2 on bad usage."""
+object store (URL/straight and URL/resumed; {dir} is replaced by those URLs). Exit 0
+when identical (or within tolerance), 1 otherwise (the first differing step and metric
+named), 2 on bad usage (a used folder or prefix included)."""
 
 
 def register(app: typer.Typer) -> None:

@@ -2,21 +2,21 @@
 
 DCP plans who writes which shard and who reads which byte range when the world size
 changes; these storage classes decide how bytes are laid out. Each rank writes one file
-(two side by side for a large shard on a local disk) of raw little-endian tensor bytes (no pickle, no zip), hashing every chunk with xxh3-128
-as it goes. The reader gets its metadata from our JSON manifest instead of DCP's
+(two side by side for a large shard on a local disk) of raw little-endian tensor bytes
+(no pickle, no zip), hashing every chunk with xxh3-128 as it goes. The reader gets its metadata from our JSON manifest instead of DCP's
 pickled ``.metadata`` file, and checks each chunk's checksum before any byte is used.
 The writer is in ``shard_writer.py``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import os
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future as ReadFuture
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -210,9 +210,7 @@ class ShardReader(StorageReader):
                 return {}
             workers = len(by_file)
             groups = list(by_file.values())
-        futures: dict[int, concurrent.futures.Future[None]] = {
-            i: concurrent.futures.Future() for i in whole
-        }
+        futures: dict[int, ReadFuture[None]] = {i: ReadFuture() for i in whole}
         pool = stack.enter_context(ThreadPoolExecutor(workers, thread_name_prefix="unbroken-read"))
         stack.callback(lambda: [f.cancel() for f in futures.values()])
 

@@ -98,8 +98,8 @@ def tolerance_text(tolerance: float) -> str:
     )
 
 
-def compare(straight: Path | RemotePath, resumed: Path | RemotePath, *, stop_at: int, exact: bool = True,
-            tolerance: float = 0.05) -> ResumeTestResult:  # fmt: skip
+def compare(straight: Path | RemotePath, resumed: Path | RemotePath, *, stop_at: int,
+            exact: bool = True, tolerance: float = 0.05) -> ResumeTestResult:  # fmt: skip
     """Compare two finished runs' metrics after ``stop_at`` and their final checkpoints."""
     a, b = read_series(straight), read_series(resumed)
     first_step, first, compared, deviation = _compare_series(a, b, stop_at, exact, tolerance)
