@@ -334,3 +334,11 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
         for r in rows
     ]
     return "\n".join([line, sep, *body])
+
+
+def rotated(items: list, shift: int) -> list:
+    """``items`` starting at position ``shift``: each round puts each case at another place
+    in the sequence, so that what one case leaves behind (a disk still busy with the
+    previous write, a warm cache) does not always fall on the same next case."""
+    k = shift % len(items) if items else 0
+    return items[k:] + items[:k]

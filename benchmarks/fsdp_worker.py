@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 import paths
 import unbroken as ub
-from common import PeakRSS, drop_page_cache, layer_count, release_free_memory
+from common import PeakRSS, drop_page_cache, layer_count, release_free_memory, rotated
 
 
 def build(
@@ -165,8 +165,7 @@ def main() -> None:
     saves, restores = cases[:2], cases[2:]
     for i in range(args.repeats):  # saves, then restores, each rotated by one per round
         for group in (saves, restores):
-            k = i % len(group)
-            for case in group[k:] + group[:k]:
+            for case in rotated(group, i):
                 case.run_once()
     ckpt.close()
     results = {c.name: c.result() for c in cases}

@@ -49,6 +49,7 @@ from common import (
     layer_count,
     machine_info,
     release_free_memory,
+    rotated,
     rss,
     state_bytes,
 )
@@ -187,11 +188,6 @@ def warm_cache(path: Path) -> None:
 # One size ----------------------------------------------------------------------------
 
 
-def _rotated(items: list, shift: int) -> list:
-    k = shift % len(items) if items else 0
-    return items[k:] + items[:k]
-
-
 def _error(exc: BaseException) -> str:
     """One line: the type, and the last line of a multi-line message (a peer's writer
     process sends its whole traceback)."""
@@ -245,7 +241,7 @@ def bench_size(mb: float, width: int, repeats: int, tmp: str) -> Result:
 def _round(res: Result, live: list[Contender], i: int, mb: float, width: int,
            expected: dict[str, str], timeout: float) -> None:  # fmt: skip
     by_key = {c.key: c for c in live}
-    for c in _rotated(live, i):
+    for c in rotated(live, i):
         row = res.saves[c.key]
         if row.error is not None:
             continue
@@ -261,7 +257,7 @@ def _round(res: Result, live: list[Contender], i: int, mb: float, width: int,
         row.add(t.blocked, t.durable, t.fsync, mem.extra)
         if c.key not in RESTORE_FROM.values():
             c.clear()  # only the checkpoints restored below stay on disk
-    for family in _rotated(list(RESTORE_FROM), i):
+    for family in rotated(list(RESTORE_FROM), i):
         row = res.restore_row(family)
         src = by_key.get(RESTORE_FROM[family])
         if src is None or res.saves[src.key].error is not None:

@@ -48,6 +48,7 @@ from common import (
     machine_info,
     measure,
     release_free_memory,
+    rotated,
     source_digests,
     state_bytes,
     state_tensors,
@@ -90,14 +91,6 @@ class Case:
         if self.error is not None or not self.times:
             return Row(self.label, None, error=self.error or "not run")
         return Row(self.label, Measurement(self.times, self.peak))
-
-
-def rotated(items: list, shift: int) -> list:
-    """``items`` starting at position ``shift``: each round puts each case at another place
-    in the sequence, so that what one case leaves behind (a disk still busy with the
-    previous write, a warm cache) does not always fall on the same next case."""
-    k = shift % len(items) if items else 0
-    return items[k:] + items[:k]
 
 
 class Bench:
