@@ -13,8 +13,11 @@ shuffled every epoch, AdamW's learning rate warms up per step. ``--devices 2`` t
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
+import os
 import random
+import sys
 import warnings
 
 import lightning as L
@@ -91,6 +94,17 @@ def main() -> None:
     seed()
     trainer = make_trainer(args.dir, steps=args.steps, devices=args.devices, every=args.every)
     trainer.fit(Regressor())
+    if torch.distributed.is_initialized():
+        # Everything is committed. Lightning destroys the gloo group only at interpreter
+        # exit, and a gloo worker thread still releasing a collective's tensors while the
+        # interpreter finalizes aborts the process (SIGABRT, docs/pitfalls.md): destroy
+        # it now, with DDP's reducer gone, and skip finalization.
+        del trainer
+        gc.collect()
+        torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
