@@ -252,6 +252,7 @@ def _compat_probe(use_orig_params: bool) -> dict:
             for name, _ in model.named_parameters()
         },
         "orig_params": [torch_compat.fsdp1_uses_orig_params(m) for m in FSDP.fsdp_modules(model)],
+        "unwrapped": torch_compat.is_unwrapped(model),
         "originals": {
             fqn: (tuple(o.shape), type(o.owner).__name__, o.index, isinstance(o.fsdp, FSDP))
             for fqn, o in torch_compat.fsdp1_originals(model).items()
@@ -288,6 +289,7 @@ def test_compat_normalized_fqns(saved, use_orig_params):
     maps to the FQNs of the original parameters it holds, an original to its own."""
     fqns = saved[1]["compat"][use_orig_params]["fqns"]
     assert sorted(f for names in fqns.values() for f in names) == sorted(PLAIN_ORDER)
+    assert not saved[1]["compat"][use_orig_params]["unwrapped"]  # so FQNs go through torch
     if use_orig_params:
         assert all(len(names) == 1 for names in fqns.values())
     else:  # one flat parameter per Block, one for the root (the head)

@@ -22,7 +22,7 @@ from typing import Any, NoReturn
 import torch
 
 from ..errors import CorruptCheckpointError
-from . import layout, tree
+from . import layout, skeleton_check, tree
 
 MAX_DEPTH = 200  # JSON nesting; a state nests at most tree.MAX_STATE_DEPTH (~3x in JSON)
 MAX_WORLD_SIZE = 1 << 20
@@ -263,7 +263,7 @@ def _component(name: str, entry: Any, world: int) -> None:
         skeletons = [(entry["state"], f"{where}/state")]
     for skeleton, at in skeletons:
         try:
-            tree.check(skeleton, None)  # an unlisted tensor: restore and verify name it
+            skeleton_check.check(skeleton, None)  # an unlisted tensor: restore and verify name it
         except tree.SkeletonError as exc:
             _fail(at, str(exc).removeprefix("/"))
         if name == "optimizer":

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
 from ..format import layout, tree
 from ..format.manifest import DTYPES
-from . import fsdp1
+from . import fsdp1, torch_compat
 from .torch_compat import normalized_fqns
 
 _MAX_LISTED = 5
@@ -129,8 +129,11 @@ class ModelComponent(Component):
         # torch refuses an empty model state only when strict; a part without state
         # (nn.Identity) is simply empty.
         def one(key: str | None) -> dict[str, Any]:
+            module = self.models[key]
+            if not self.fsdp1[key] and torch_compat.is_unwrapped(module):
+                return dict(module.state_dict())  # what torch's API returns for it, faster
             with self._state_context(key):
-                return dict(get_model_state_dict(self.models[key], options=_GET_OPTIONS))
+                return dict(get_model_state_dict(module, options=_GET_OPTIONS))
 
         if None in self.models:
             return one(None)

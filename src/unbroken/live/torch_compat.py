@@ -6,7 +6,10 @@ version CI runs, so a change in torch fails there, by name, instead of writing o
 restoring a wrong checkpoint.
 
 - :func:`normalized_fqns`: torch's FQN normalization (``_get_fqns``), which drops the
-  prefixes of ``torch.compile``, activation checkpointing, DDP and FSDP wrappers.
+  prefixes of ``torch.compile``, activation checkpointing, DDP and FSDP wrappers; and
+  :func:`is_unwrapped`, which tells when that normalization has nothing to do (no
+  wrapper, no ``_fqn_modifiers``), so that a module's own ``state_dict()`` is what
+  torch's model state-dict API would return.
 - :func:`fsdp1_originals`: the original parameters an FSDP1 module manages
   (``FlatParameter._fqns``, ``_shapes``, ``_param_infos``, through FSDP's own
   ``_get_fqn_to_fsdp_param_info``, so the FQNs are the ones FSDP keys optimizer state by).
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp._optim_utils import _get_fqn_to_fsdp_param_info
 
@@ -37,6 +41,26 @@ def normalized_fqns(module: nn.Module, name: str) -> set[str]:
     the original parameters it holds.
     """
     return set(_get_fqns(module, name))
+
+
+# The submodule names by which torch.compile, activation checkpointing and FSDP1 wrap a
+# module: each one's prefix is dropped by _get_fqns.
+_WRAPPED_NAMES = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+
+def is_unwrapped(module: nn.Module) -> bool:
+    """Whether no FQN in ``module`` is normalized: no DDP, FSDP1, FSDP2, ``torch.compile``
+    or activation-checkpointing wrapper and no ``_fqn_modifiers`` anywhere in it. Then
+    ``get_model_state_dict`` returns ``module.state_dict()`` as it is, after work that
+    grows with the number of parameters (it maps every name first)."""
+    for m in module.modules():
+        if isinstance(m, nn.parallel.DistributedDataParallel | FSDP | FSDPModule):
+            return False
+        if any(name in m._modules for name in _WRAPPED_NAMES):
+            return False
+        if getattr(type(m), "_fqn_modifiers", None) is not None:
+            return False
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
