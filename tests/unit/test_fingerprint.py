@@ -1,4 +1,5 @@
-"""Fingerprints do not depend on sharding, and any changed element changes them."""
+"""Fingerprints do not depend on sharding, and any changed element changes them, in both
+formats (``wsum64-v1``, still verified; ``wsum64-v2``, written now)."""
 
 from __future__ import annotations
 
@@ -22,30 +23,47 @@ def _sample(dtype, shape=(37, 113)):
     return torch.randint(0, 100, shape, generator=g).to(dtype)
 
 
+GOLDEN = {  # computed once each; never update them
+    "wsum64-v1": "42a62067d1a00000",
+    "wsum64-v2": "3d55d9ff3b200000",
+}
+ALGORITHMS = pytest.mark.parametrize("algorithm", fp.ALGORITHMS)
+
+
+@ALGORITHMS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("cuts", [[0, 37], [0, 12, 25, 37], [0, 1, 2, 36, 37], [0, 0, 37]])
-def test_row_shards_add_up_to_the_whole(dtype, cuts):
+def test_row_shards_add_up_to_the_whole(dtype, cuts, algorithm):
     t = _sample(dtype)
-    parts = [fp.partial(t[a:b], t.shape, [a, 0]) for a, b in itertools.pairwise(cuts)]
-    assert fp.combine(parts) == fp.fingerprint(t)
+    parts = [fp.partial(t[a:b], t.shape, [a, 0], algorithm) for a, b in itertools.pairwise(cuts)]
+    assert fp.combine(parts) == fp.fingerprint(t, algorithm)
 
 
-def test_column_shards_add_up_to_the_whole():
-    t = _sample(torch.float32)
-    parts = [fp.partial(t[:, a:b], t.shape, [0, a]) for a, b in [(0, 50), (50, 51), (51, 113)]]
-    assert fp.combine(parts) == fp.fingerprint(t)
-
-
-def test_large_tensor_crossing_many_weight_blocks():
-    t = torch.randn(3, 100_003)
-    parts = [fp.partial(t[:, a:b], t.shape, [0, a]) for a, b in [(0, 4097), (4097, 100_003)]]
-    assert fp.combine(parts) == fp.fingerprint(t)
-
-
+@ALGORITHMS
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_any_single_element_change_is_seen(dtype):
+def test_column_shards_add_up_to_the_whole(dtype, algorithm):
+    """Columns 1, 3 and 7 wide: for 1-, 2- and 4-byte dtypes a v2 word (8 bytes) is split
+    between shards, each adding the bytes it holds."""
+    t = _sample(dtype)
+    cuts = [0, 1, 4, 11, 50, 51, 113]
+    parts = [fp.partial(t[:, a:b], t.shape, [0, a], algorithm) for a, b in itertools.pairwise(cuts)]
+    assert fp.combine(parts) == fp.fingerprint(t, algorithm)
+
+
+@ALGORITHMS
+def test_large_tensor_crossing_many_weight_blocks(algorithm):
+    t = torch.randn(3, 100_003)
+    parts = [
+        fp.partial(t[:, a:b], t.shape, [0, a], algorithm) for a, b in [(0, 4097), (4097, 100_003)]
+    ]
+    assert fp.combine(parts) == fp.fingerprint(t, algorithm)
+
+
+@ALGORITHMS
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_any_single_element_change_is_seen(dtype, algorithm):
     t = _sample(dtype, (64, 65))
-    base = fp.fingerprint(t)
+    base = fp.fingerprint(t, algorithm)
     for idx in [(0, 0), (63, 64), (17, 33)]:
         changed = t.clone()
         if dtype == torch.bool:
@@ -54,17 +72,25 @@ def test_any_single_element_change_is_seen(dtype):
             changed[idx] = torch.nextafter(changed[idx], torch.tensor(float("inf"), dtype=dtype))
         else:
             changed[idx] = changed[idx] + 1
-        assert fp.fingerprint(changed) != base, (dtype, idx)
+        assert fp.fingerprint(changed, algorithm) != base, (dtype, idx)
 
 
-def test_order_matters():
+@ALGORITHMS
+def test_order_matters(algorithm):
     t = torch.arange(10, dtype=torch.float32)
-    assert fp.fingerprint(t) != fp.fingerprint(t.flip(0))
+    assert fp.fingerprint(t, algorithm) != fp.fingerprint(t.flip(0), algorithm)
 
 
-def test_stable_across_versions():
-    """The digest is persisted in manifests: its values must never change."""
-    assert fp.fingerprint(torch.arange(12, dtype=torch.float32).reshape(3, 4)) == GOLDEN
+def test_the_formats_differ_and_v2_is_written():
+    t = torch.arange(12, dtype=torch.float32)
+    assert fp.ALGORITHM == fp.V2
+    assert fp.fingerprint(t, fp.V1) != fp.fingerprint(t, fp.V2)
+    with pytest.raises(ValueError, match="wsum64-v9"):
+        fp.fingerprint(t, "wsum64-v9")
 
 
-GOLDEN = "42a62067d1a00000"  # wsum64-v1, computed once; never update it
+@pytest.mark.parametrize("algorithm, golden", GOLDEN.items())
+def test_stable_across_versions(algorithm, golden):
+    """The digests are persisted in manifests: their values must never change."""
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    assert fp.fingerprint(t, algorithm) == golden

@@ -44,7 +44,8 @@ def check_folder(folder: Path) -> dict[str, Any]:
     Raises:
         CorruptCheckpointError: naming the file that is missing, resized, sparse, a
             link, not listed in the manifest, or unreadable (permissions).
-        CheckpointError: its tensor bytes are in another byte order than this machine's.
+        CheckpointError: its tensor bytes are in another byte order than this machine's,
+            or its fingerprints use an algorithm this version does not know.
     """
     try:
         return _check_folder(folder)
@@ -69,6 +70,7 @@ def _check_folder(folder: Path) -> dict[str, Any]:
             f"({', '.join(unreferenced[:5])}): it was altered; use an older step"
         )
     manifest.require_native_byteorder(folder, doc)
+    manifest.require_known_fingerprints(folder, doc)
     return doc
 
 
@@ -126,7 +128,7 @@ def restore(
     prepared = collective.agree(lambda: (build_targets(), snapshot.begin(active)))
     assert prepared is not None
     targets, undos = prepared
-    loaded = verify.LoadedFingerprints(targets)
+    loaded = verify.LoadedFingerprints(targets, manifest.fingerprint_algorithm(doc))
     where = folder if ckdir_remote(folder) else str(folder)
     reader = ShardReader(where, doc["tensors"], on_loaded=loaded.loaded)
     try:

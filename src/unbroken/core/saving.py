@@ -211,7 +211,8 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
     # Fingerprints are computed while DCP writes: file I/O and torch kernels both
     # release the GIL, so the two overlap on separate cores.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-fp") as pool:
-        partials = pool.submit(verify.partials, flat, whole_here)
+        algorithm = fingerprint.ALGORITHM  # one for every tensor, recorded in the manifest
+        partials = pool.submit(verify.partials, flat, whole_here, algorithm)
         try:
             with quiet_single_process():
                 dcp.save(
@@ -225,6 +226,7 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
             raise unwrap(exc, f"saving step {request.step} into {partial}", partial) from None
         local = {
             "partials": partials.result(),
+            "fingerprint_algorithm": algorithm,
             "info": staged.info,
             "skeletons": {name: staged.skeletons[name] for name in staged.per_rank},
             "files": writer.file_records,
@@ -290,7 +292,7 @@ def _manifest_body(
             "torch": torch.__version__,
             "python": platform.python_version(),
         },
-        "fingerprint_algorithm": fingerprint.ALGORITHM,
+        "fingerprint_algorithm": gathered[0]["fingerprint_algorithm"],
         "checksum_algorithm": "xxh3-128",
         "byteorder": sys.byteorder,
         "components": components,

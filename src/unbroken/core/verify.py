@@ -19,10 +19,10 @@ from ..format import fingerprint, layout
 from . import collective
 
 
-def local_partial(t: torch.Tensor) -> int | None:
+def local_partial(t: torch.Tensor, algorithm: str = fingerprint.ALGORITHM) -> int | None:
     """This rank's share of ``t``'s fingerprint; None where another rank counts it."""
     if not isinstance(t, DTensor):
-        return fingerprint.partial(t, t.shape, [0] * t.dim())
+        return fingerprint.partial(t, t.shape, [0] * t.dim(), algorithm)
     coord = t.device_mesh.get_coordinate()
     if coord is None:
         return None
@@ -35,16 +35,18 @@ def local_partial(t: torch.Tensor) -> int | None:
                 "reduce it to Shard or Replicate first"
             )
     (chunk,) = t.__create_chunk_list__()
-    return fingerprint.partial(t.to_local(), t.shape, list(chunk.offsets))
+    return fingerprint.partial(t.to_local(), t.shape, list(chunk.offsets), algorithm)
 
 
-def partials(tensors: Mapping[str, torch.Tensor], whole_here: Iterable[str]) -> dict[str, int]:
+def partials(
+    tensors: Mapping[str, torch.Tensor], whole_here: Iterable[str], algorithm: str
+) -> dict[str, int]:
     """Local partial sums: sharded tensors everywhere, whole ones only if listed."""
     whole = set(whole_here)
     out = {}
     for key, t in tensors.items():
         if isinstance(t, DTensor) or key in whole:
-            p = local_partial(t)
+            p = local_partial(t, algorithm)
             if p is not None:
                 out[key] = p
     return out
@@ -61,16 +63,20 @@ def combine(per_rank: list[dict[str, int]]) -> dict[str, str]:
 
 class LoadedFingerprints:
     """Fingerprints of freshly loaded tensors, computed in a worker thread as each tensor
-    finishes loading, so the work overlaps with reading the next ones."""
+    finishes loading, so the work overlaps with reading the next ones. ``algorithm``:
+    the one the checkpoint's fingerprints were computed with (its manifest says which)."""
 
-    def __init__(self, targets: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, targets: Mapping[str, torch.Tensor], algorithm: str) -> None:
         self._targets = targets
+        self._algorithm = algorithm
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-fp")
         self._futures: dict[str, Future[int | None]] = {}
 
     def loaded(self, key: str) -> None:
         if key in self._targets and key not in self._futures:
-            self._futures[key] = self._pool.submit(local_partial, self._targets[key])
+            self._futures[key] = self._pool.submit(
+                local_partial, self._targets[key], self._algorithm
+            )
 
     def check(self, entries: Mapping[str, dict[str, Any]]) -> list[str]:
         """Compare with the manifest's fingerprints (collective); return problems."""

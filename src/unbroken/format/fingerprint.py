@@ -13,7 +13,16 @@ Any change of a single element always changes the digest (the weights are odd); 
 a check against silent loss and casting, not a cryptographic hash (files carry xxh3
 checksums for integrity).
 
-Format ``wsum64-v1``: persisted in manifests, so the constants below must never change.
+Two formats, persisted in manifests (``fingerprint_algorithm``), so neither's constants
+may ever change:
+
+- ``wsum64-v2`` (what new checkpoints record): a word is 8 bytes of the tensor's row-major byte
+  stream, little-endian, whatever the dtype (the last one zero-padded). A shard whose
+  bytes start or end inside a word adds that word's bytes it holds, in place: the parts
+  of a word add up to the word. Half the multiplications of v1 for 4-byte dtypes, a
+  quarter for 2-byte ones.
+- ``wsum64-v1``: a word is one element (elements wider than 8 bytes: several words),
+  sign-extended. Still read and verified.
 """
 
 from __future__ import annotations
@@ -25,7 +34,9 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-ALGORITHM = "wsum64-v1"
+V1, V2 = "wsum64-v1", "wsum64-v2"
+ALGORITHM = V2  # what new checkpoints record
+ALGORITHMS = (V1, V2)  # what this version recomputes
 _MASK = (1 << 64) - 1
 _BLOCK = 4096  # L: words per weight block
 _SLAB_BLOCKS = 64  # blocks processed per vectorized step (2 MiB of int64)
@@ -39,6 +50,7 @@ def _splitmix64(x: int) -> int:
 
 
 _TABLE = np.array([_splitmix64(i) | 1 for i in range(_BLOCK)], dtype=np.uint64).view(np.int64)
+_UTABLE = _TABLE.view(np.uint64)
 _SALT = np.uint64(0x9E3779B97F4A7C15 ^ 0x5BD1E995)
 _WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -64,7 +76,7 @@ def _words(t: torch.Tensor) -> tuple[np.ndarray, int]:
 
 
 def _run_sum(words: np.ndarray, g0: int) -> int:
-    """Weighted sum of a contiguous run of words starting at global word index ``g0``.
+    """v1: weighted sum of a contiguous run of words starting at global word index ``g0``.
 
     NumPy on one core, on purpose: it releases the GIL and keeps off torch's intra-op
     thread pool, so fingerprinting beside I/O (or training) does not oversubscribe cores.
@@ -93,15 +105,83 @@ def _run_sum(words: np.ndarray, g0: int) -> int:
     return total & _MASK
 
 
-def partial(local: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int]) -> int:
-    """This shard's share of the digest of the global tensor (an int in [0, 2**64))."""
-    words, per_elem = _words(local)
+def _bytes(t: torch.Tensor) -> np.ndarray:
+    """The tensor's row-major bytes as a 1-D uint8 array (v2 reads them 8 at a time)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+
+def _byte_run_sum(data: np.ndarray, b0: int) -> int:
+    """v2: weighted sum of a contiguous run of bytes starting at global byte ``b0``: the
+    words it holds whole, plus its share of a word it starts or ends inside."""
+    n = data.size
+    head = min(-b0 % 8, n)
+    total = _word_share(data[:head], b0) if head else 0
+    whole = (n - head) // 8
+    if whole:
+        words = data[head : head + 8 * whole].view(np.uint64)
+        total += _word_run_sum(words, (b0 + head) // 8)
+    tail = head + 8 * whole
+    if tail < n:
+        total += _word_share(data[tail:], b0 + tail)
+    return total & _MASK
+
+
+def _word_share(data: np.ndarray, b: int) -> int:
+    """v2: the weighted value of bytes ``data`` (inside one word, from global byte ``b``),
+    the word's other bytes taken as zero: the shares of a word's bytes add up to it."""
+    g, shift = divmod(b, 8)
+    block, within = divmod(g, _BLOCK)
+    value = int.from_bytes(data.tobytes(), "little") << (8 * shift)
+    return value * int(_TABLE[within]) * int(_block_weights(block, 1)[0])
+
+
+def _word_run_sum(words: np.ndarray, g0: int) -> int:
+    """v2: weighted sum of whole 8-byte words (uint64) from global word index ``g0``, a
+    block at a time as a matrix-vector product (unsigned: products and sums wrap)."""
+    n = words.size
+    total = 0
+    pos = 0
+    while pos < n:
+        block, within = divmod(g0 + pos, _BLOCK)
+        if within or n - pos < _BLOCK:  # a partial block: head or tail of the run
+            take = min(_BLOCK - within, n - pos)
+            part = int(words[pos : pos + take] @ _UTABLE[within : within + take])
+            total += part * int(_block_weights(block, 1)[0])
+            pos += take
+            continue
+        nblocks = min((n - pos) // _BLOCK, _SLAB_BLOCKS)
+        sums = words[pos : pos + nblocks * _BLOCK].reshape(nblocks, _BLOCK) @ _UTABLE
+        total += int((sums * _block_weights(block, nblocks).view(np.uint64)).sum())
+        pos += nblocks * _BLOCK
+    return total & _MASK
+
+
+def partial(
+    local: torch.Tensor,
+    global_shape: Sequence[int],
+    offsets: Sequence[int],
+    algorithm: str = ALGORITHM,
+) -> int:
+    """This shard's share of the digest of the global tensor (an int in [0, 2**64)).
+
+    Raises:
+        ValueError: ``algorithm`` is not one of :data:`ALGORITHMS`.
+    """
+    if algorithm == V2:
+        units, per_elem, run_sum = _bytes(local), local.element_size(), _byte_run_sum
+    elif algorithm == V1:
+        (units, per_elem), run_sum = _words(local), _run_sum
+    else:
+        raise ValueError(f"unknown fingerprint algorithm {algorithm!r}")
     if local.numel() == 0:
         return 0
     sizes = list(local.shape)
     shape = list(global_shape)
     if len(sizes) == 0:
-        return _run_sum(words, 0)
+        return run_sum(units, 0)
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     partial_dims = [d for d in range(len(shape)) if sizes[d] != shape[d]]
     k = partial_dims[-1] if partial_dims else 0
@@ -109,8 +189,8 @@ def partial(local: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[
     total = 0
     for n, idx in enumerate(_leading_indices(sizes[:k])):
         start = sum((offsets[d] + idx[d]) * strides[d] for d in range(k)) + offsets[k] * strides[k]
-        chunk = words[n * run * per_elem : (n + 1) * run * per_elem]
-        total += _run_sum(chunk, start * per_elem)
+        chunk = units[n * run * per_elem : (n + 1) * run * per_elem]
+        total += run_sum(chunk, start * per_elem)
     return total & _MASK
 
 
@@ -123,6 +203,6 @@ def combine(partials: Sequence[int]) -> str:
     return f"{sum(partials) & _MASK:016x}"
 
 
-def fingerprint(t: torch.Tensor) -> str:
+def fingerprint(t: torch.Tensor, algorithm: str = ALGORITHM) -> str:
     """Digest of a whole (unsharded) tensor."""
-    return combine([partial(t, t.shape, [0] * t.dim())])
+    return combine([partial(t, t.shape, [0] * t.dim(), algorithm)])

@@ -20,7 +20,7 @@ import torch
 import xxhash
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from . import files, schema
+from . import files, fingerprint, schema
 from .filesystem import SAVE_FIX, write_synced
 from .remote import RemotePath
 from .schema import DTYPES
@@ -228,6 +228,22 @@ def require_native_byteorder(directory: Path, doc: dict[str, Any]) -> None:
             f"{directory} holds {order}-endian tensor bytes (written on a {order}-endian "
             f"machine); this machine is {sys.byteorder}-endian and cannot read them as "
             "they are: restore it on a machine of that byte order"
+        )
+
+
+def fingerprint_algorithm(doc: dict[str, Any]) -> str:
+    """The algorithm of a manifest's fingerprints (manifests that name none: v1)."""
+    return doc.get("fingerprint_algorithm", fingerprint.V1)
+
+
+def require_known_fingerprints(directory: Path, doc: dict[str, Any]) -> None:
+    """Raise unless this version can recompute the checkpoint's fingerprints."""
+    algorithm = fingerprint_algorithm(doc)
+    if algorithm not in fingerprint.ALGORITHMS:
+        raise CheckpointError(
+            f"{directory}: its tensors are fingerprinted with {algorithm!r}, which this "
+            "version of unbroken cannot recompute, so a restore could not be verified; "
+            "upgrade unbroken to restore it"
         )
 
 

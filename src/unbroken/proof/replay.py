@@ -175,6 +175,12 @@ def _final_manifests(straight: Path | RemotePath, resumed: Path | RemotePath):
     a, b = docs
     if a["step"] != b["step"]:
         return None, f"final checkpoints are of different steps: {a['step']} vs {b['step']}"
+    algorithms = [manifest.fingerprint_algorithm(doc) for doc in docs]
+    if algorithms[0] != algorithms[1]:  # saved by different versions of unbroken
+        return None, (
+            f"final checkpoints are fingerprinted differently ({algorithms[0]} vs "
+            f"{algorithms[1]}); compare them with `unbroken diff`"
+        )
     return (a, b), None
 
 

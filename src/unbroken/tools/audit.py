@@ -100,14 +100,13 @@ def _audit(folder: Path, report: AuditReport, on_bytes: Callable[[int], None] | 
     absent = _check_files(folder, doc, report)
     _check_chunk_records(doc, report)
     _check_references(doc, report)
-    if doc.get("fingerprint_algorithm", fingerprint.ALGORITHM) != fingerprint.ALGORITHM:
+    algorithm = manifest.fingerprint_algorithm(doc)
+    check_prints = algorithm in fingerprint.ALGORITHMS
+    if not check_prints:
         report.warnings.append(
-            f"fingerprints use {doc['fingerprint_algorithm']!r}, which this unbroken cannot "
-            "recompute; only checksums were checked"
+            f"fingerprints use {algorithm!r}, which this unbroken cannot recompute; only "
+            "checksums were checked"
         )
-        check_prints = False
-    else:
-        check_prints = True
 
     def count(n: int) -> None:
         report.bytes_read += n
@@ -135,11 +134,12 @@ def _audit(folder: Path, report: AuditReport, on_bytes: Callable[[int], None] | 
             report.tensors_checked += 1
             if t.numel() == 1:
                 scalars[key] = t
-            if check_prints and fingerprint.fingerprint(t) != entry.get("fingerprint"):
+            stored = fingerprint.fingerprint(t, algorithm) if check_prints else None
+            if check_prints and stored != entry.get("fingerprint"):
                 report.fail(
                     key,
-                    f"fingerprint {fingerprint.fingerprint(t)} of the stored value differs from "
-                    f"the manifest's {entry.get('fingerprint')}: the checkpoint is inconsistent",
+                    f"fingerprint {stored} of the stored value differs from the manifest's "
+                    f"{entry.get('fingerprint')}: the checkpoint is inconsistent",
                 )
         _check_coverage(doc, report, scalars.__getitem__)
 

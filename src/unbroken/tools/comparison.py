@@ -182,7 +182,9 @@ def _compare(key, comp, doc_a, doc_b, ra, rb, full) -> TensorDiff:
         row.status = "dtype"
         row.max_abs_diff = _max_abs_diff(ra.read(key), rb.read(key), None)
         return row
-    if not full and ea.get("fingerprint") and ea.get("fingerprint") == eb.get("fingerprint"):
+    same_prints = manifest.fingerprint_algorithm(doc_a) == manifest.fingerprint_algorithm(doc_b)
+    fp_a = ea.get("fingerprint")
+    if not full and same_prints and fp_a and fp_a == eb.get("fingerprint"):
         row.differing, row.max_abs_diff = 0, 0.0
         return row
     ta, tb = ra.read(key), rb.read(key)

@@ -131,6 +131,8 @@ def export_safetensors(
     if isinstance(folder, Path) and to.resolve().is_relative_to(folder.resolve()):
         raise CheckpointError(f"refusing to write {to} inside the checkpoint folder {folder}")
     doc = manifest.read(folder)
+    manifest.require_known_fingerprints(folder, doc)
+    algorithm = manifest.fingerprint_algorithm(doc)
     if "model" not in doc["components"]:
         raise IncompleteCheckpointError("the checkpoint has no 'model' component to export")
     ties = tied_weights(doc)
@@ -155,7 +157,7 @@ def export_safetensors(
             f.write(head)
             for _name, key, target in items:
                 t = reader.read(key)
-                if fingerprint.fingerprint(t) != doc["tensors"][key].get("fingerprint"):
+                if fingerprint.fingerprint(t, algorithm) != doc["tensors"][key].get("fingerprint"):
                     raise StateMismatchError(
                         f"{key}: its stored value does not match the manifest's fingerprint; "
                         f"run `unbroken verify {folder}`"

@@ -1,0 +1,98 @@
+"""Checkpoints record which fingerprint format they use, and every reader honours it.
+
+New checkpoints are fingerprinted with ``wsum64-v2``; ones written with ``wsum64-v1``
+still restore verified, pass ``unbroken verify`` and compare equal to a v2 copy of the
+same state. A manifest naming the wrong format (or one this version does not know) is
+never restored unverified: post-restore verification (DESIGN.md: "every resume must
+prove it") fails loudly, and nothing live changes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import unbroken as ub
+from conftest import Problem, assert_same_training_state
+from unbroken.format import fingerprint as fp
+from unbroken.format import manifest
+from unbroken.tools.audit import audit
+from unbroken.tools.comparison import diff
+
+
+def _trained(ckpt_dir, steps: int = 3) -> Problem:
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir)
+    for _ in range(steps):
+        p.step()
+    ckpt.save(steps)
+    ckpt.close()
+    return p
+
+
+def _doc(ckpt_dir, step: int = 3) -> dict:
+    return json.loads((ckpt_dir / f"step_{step:08d}" / "manifest.json").read_text())
+
+
+def _rewrite(ckpt_dir, edit, step: int = 3) -> None:
+    path = ckpt_dir / f"step_{step:08d}" / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc.pop("manifest_checksum")
+    edit(doc)
+    doc["manifest_checksum"] = manifest._digest(doc)  # re-sealed: a checksum is no defence
+    path.write_text(json.dumps(doc))
+
+
+def _live(p: Problem) -> dict:
+    return {k: v.clone() for k, v in p.model.state_dict().items()}
+
+
+def test_new_checkpoints_record_v2(tmp_path):
+    _trained(tmp_path / "c")
+    assert _doc(tmp_path / "c")["fingerprint_algorithm"] == fp.V2
+
+
+def test_a_v1_checkpoint_restores_verified_and_audits(tmp_path, monkeypatch):
+    monkeypatch.setattr(fp, "ALGORITHM", fp.V1)
+    saved = _trained(tmp_path / "v1")
+    monkeypatch.undo()
+    assert _doc(tmp_path / "v1")["fingerprint_algorithm"] == fp.V1
+    fresh = Problem(seed=1)
+    report = fresh.checkpointer(tmp_path / "v1").restore()
+    assert report.restored and report.verified
+    assert_same_training_state(fresh, saved)
+    assert audit(tmp_path / "v1" / "step_00000003").ok
+
+    _trained(tmp_path / "v2")  # the same state, fingerprinted with v2
+    a, b = (tmp_path / name / "step_00000003" for name in ("v1", "v2"))
+    assert _doc(tmp_path / "v1")["tensors"] != _doc(tmp_path / "v2")["tensors"]
+    assert diff(a, b, ignore=frozenset({"rng"})).identical  # bytes compared, not prints
+
+
+def test_a_manifest_naming_the_wrong_format_fails_verification(tmp_path):
+    """A v2 checkpoint relabelled v1: recomputed v1 prints differ from the recorded ones,
+    so the restore refuses (verification must use the recorded format, not assume one)."""
+    _trained(tmp_path / "c")
+    _rewrite(tmp_path / "c", lambda d: d.update(fingerprint_algorithm=fp.V1))
+    fresh = Problem(seed=1)
+    before = _live(fresh)
+    with pytest.raises(ub.CorruptCheckpointError, match="fingerprint"):
+        fresh.checkpointer(tmp_path / "c").restore()
+    for key, value in _live(fresh).items():
+        assert torch.equal(value, before[key]), key
+    assert not audit(tmp_path / "c" / "step_00000003").ok
+
+
+def test_an_unknown_format_is_refused_asking_for_an_upgrade(tmp_path):
+    _trained(tmp_path / "c")
+    _rewrite(tmp_path / "c", lambda d: d.update(fingerprint_algorithm="wsum64-v9"))
+    fresh = Problem(seed=1)
+    before = _live(fresh)
+    with pytest.raises(ub.CheckpointError, match=r"wsum64-v9.*upgrade unbroken"):
+        fresh.checkpointer(tmp_path / "c").restore()
+    for key, value in _live(fresh).items():
+        assert torch.equal(value, before[key]), key
+    report = audit(tmp_path / "c" / "step_00000003")
+    assert report.ok and any("wsum64-v9" in w for w in report.warnings)  # checksums only
