@@ -19,7 +19,7 @@ from ..format import fingerprint, layout
 from . import collective
 
 
-def local_partial(t: torch.Tensor, algorithm: str = fingerprint.ALGORITHM) -> int | None:
+def local_partial(t: torch.Tensor, algorithm: str) -> int | None:
     """This rank's share of ``t``'s fingerprint; None where another rank counts it."""
     if not isinstance(t, DTensor):
         return fingerprint.partial(t, t.shape, [0] * t.dim(), algorithm)

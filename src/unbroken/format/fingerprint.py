@@ -16,11 +16,11 @@ checksums for integrity).
 Two formats, persisted in manifests (``fingerprint_algorithm``), so neither's constants
 may ever change:
 
-- ``wsum64-v2`` (what new checkpoints record): a word is 8 bytes of the tensor's row-major byte
-  stream, little-endian, whatever the dtype (the last one zero-padded). A shard whose
-  bytes start or end inside a word adds that word's bytes it holds, in place: the parts
-  of a word add up to the word. Half the multiplications of v1 for 4-byte dtypes, a
-  quarter for 2-byte ones.
+- ``wsum64-v2`` (what new checkpoints record): a word is 8 bytes of the tensor's
+  row-major byte stream, little-endian, whatever the dtype (the last one zero-padded).
+  A shard whose bytes start or end inside a word adds that word's bytes it holds, in
+  place: the parts of a word add up to the word. Half the multiplications of v1 for
+  4-byte dtypes, a quarter for 2-byte ones.
 - ``wsum64-v1``: a word is one element (elements wider than 8 bytes: several words),
   sign-extended. Still read and verified.
 """

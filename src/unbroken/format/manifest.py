@@ -242,8 +242,8 @@ def require_known_fingerprints(directory: Path, doc: dict[str, Any]) -> None:
     if algorithm not in fingerprint.ALGORITHMS:
         raise CheckpointError(
             f"{directory}: its tensors are fingerprinted with {algorithm!r}, which this "
-            "version of unbroken cannot recompute, so a restore could not be verified; "
-            "upgrade unbroken to restore it"
+            "version of unbroken cannot recompute, so nothing read from it could be "
+            "verified; upgrade unbroken to restore or export it"
         )
 
 

@@ -3,8 +3,9 @@
 DCP plans who writes which shard and who reads which byte range when the world size
 changes; these storage classes decide how bytes are laid out. Each rank writes one file
 (two side by side for a large shard on a local disk) of raw little-endian tensor bytes
-(no pickle, no zip), hashing every chunk with xxh3-128 as it goes. The reader gets its metadata from our JSON manifest instead of DCP's
-pickled ``.metadata`` file, and checks each chunk's checksum before any byte is used.
+(no pickle, no zip), hashing every chunk with xxh3-128 as it goes. The reader gets its
+metadata from our JSON manifest instead of DCP's pickled ``.metadata`` file, and checks
+each chunk's checksum before any byte is used.
 The writer is in ``shard_writer.py``.
 """
 

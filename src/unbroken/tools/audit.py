@@ -134,8 +134,10 @@ def _audit(folder: Path, report: AuditReport, on_bytes: Callable[[int], None] | 
             report.tensors_checked += 1
             if t.numel() == 1:
                 scalars[key] = t
-            stored = fingerprint.fingerprint(t, algorithm) if check_prints else None
-            if check_prints and stored != entry.get("fingerprint"):
+            if not check_prints:
+                continue
+            stored = fingerprint.fingerprint(t, algorithm)
+            if stored != entry.get("fingerprint"):
                 report.fail(
                     key,
                     f"fingerprint {stored} of the stored value differs from the manifest's "
