@@ -21,7 +21,7 @@ from ..errors import (
 from ..format import files, manifest, schema, tree
 from ..format.remote import RemotePath
 from ..format.shards import ShardReader, quiet_single_process
-from ..live import probe, snapshot
+from ..live import exchange, probe, snapshot
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, live_tensors
 from ..report import RestoreReport
@@ -97,6 +97,7 @@ def restore(
 
     skeletons: dict[str, Any] = {}
     saved_keys: dict[str, dict[str, dict]] = {}
+    exchanges: dict[str, exchange.Exchange] = {}  # models installed by exchanging bytes
 
     def build_targets() -> dict[str, torch.Tensor]:
         targets: dict[str, torch.Tensor] = {}
@@ -115,17 +116,22 @@ def restore(
             saved_keys[c.name] = keys
             if isinstance(c, OptimizerComponent):
                 c.check_coverage(skeleton)
-            live = (
-                live_tensors(c, component_prefix(c, rank))[1]
-                if isinstance(c, ModelComponent)
-                else {}
-            )
-            targets.update(c.targets(keys, live))
+            if isinstance(c, ModelComponent):
+                live = live_tensors(c, component_prefix(c, rank))[1]
+                mine = c.targets(keys, live)
+                swap = c.exchange_plan(live, mine)
+                if swap is not None:
+                    exchanges[c.name] = swap
+            else:
+                mine = c.targets(keys, {})
+            targets.update(mine)
         return targets
 
     # The targets are new tensors: nothing live changes while the checkpoint is read, so
-    # the undo (a copy of the model's tensors) is made meanwhile.
-    prepared = collective.agree(lambda: (build_targets(), snapshot.begin(active)))
+    # the undo (a copy of the tensors of a model that is not exchanged) is made meanwhile.
+    prepared = collective.agree(
+        lambda: (build_targets(), snapshot.begin(active, {n: e.undo for n, e in exchanges.items()}))
+    )
     assert prepared is not None
     targets, undos = prepared
     loaded = verify.LoadedFingerprints(targets, manifest.fingerprint_algorithm(doc))
@@ -148,6 +154,8 @@ def restore(
 
     def checked_undos() -> list[snapshot.Undo]:
         _raise_corrupt(problems)
+        for swap in exchanges.values():
+            swap.check_ties(targets)
         return undos()  # nothing live has changed up to here
 
     undo = collective.agree(checked_undos)
@@ -159,13 +167,24 @@ def restore(
         def install() -> None:
             for i, c in enumerate(active):
                 touched.append(i)
-                c.install(states[c.name])
+                if c.name in exchanges:
+                    exchanges[c.name].install()
+                else:
+                    c.install(states[c.name])
             touched.append(-1)  # every install finished
 
         collective.agree(install)
         for c in active:
             if c.verify_live:
-                _verify_live(c, skeletons[c.name], saved_keys[c.name], targets, rank)
+                swap = exchanges.get(c.name)
+                _verify_live(
+                    c,
+                    skeletons[c.name],
+                    saved_keys[c.name],
+                    targets,
+                    rank,
+                    (swap.keys, loaded) if swap is not None else None,
+                )
         if doc.get("probe") and probe_fn is not None:
             _check_probe(doc["probe"], probe_fn, model, rank, saved_world, world)
     except BaseException as exc:
@@ -274,10 +293,24 @@ def _plan(
 
 
 def _verify_live(
-    c: Component, skeleton: Any, keys: dict[str, dict], targets: dict, rank: int
+    c: Component,
+    skeleton: Any,
+    keys: dict[str, dict],
+    targets: dict,
+    rank: int,
+    exchanged: tuple[list[str], verify.LoadedFingerprints] | None,
 ) -> None:
+    """Compare the component's live state with what was loaded; ``exchanged``: the keys
+    installed by exchanging bytes (their targets now hold the previous values, so their
+    values are compared by fingerprint) and the loaded fingerprints."""
     live_skeleton, live = live_tensors(c, component_prefix(c, rank))
-    problems = verify.compare_installed(keys, targets, live)
+    if exchanged is None:
+        problems = verify.compare_installed(keys, targets, live)
+    else:
+        swapped, loaded = exchanged
+        expected = {**targets, **{k: live[k] for k in swapped if k in live}}
+        problems = verify.compare_installed(keys, expected, live)
+        problems += verify.compare_exchanged(swapped, loaded.partials, live, loaded.algorithm)
     where = None if problems else tree.difference(skeleton, live_skeleton, c.name)
     if where is not None:
         problems.append(

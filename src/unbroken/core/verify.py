@@ -68,14 +68,15 @@ class LoadedFingerprints:
 
     def __init__(self, targets: Mapping[str, torch.Tensor], algorithm: str) -> None:
         self._targets = targets
-        self._algorithm = algorithm
+        self.algorithm = algorithm
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-fp")
         self._futures: dict[str, Future[int | None]] = {}
+        self.partials: dict[str, int | None] = {}  # this rank's share of each, once checked
 
     def loaded(self, key: str) -> None:
         if key in self._targets and key not in self._futures:
             self._futures[key] = self._pool.submit(
-                local_partial, self._targets[key], self._algorithm
+                local_partial, self._targets[key], self.algorithm
             )
 
     def check(self, entries: Mapping[str, dict[str, Any]]) -> list[str]:
@@ -86,6 +87,7 @@ class LoadedFingerprints:
             done = {key: f.result() for key, f in self._futures.items()}
         finally:
             self._pool.shutdown(wait=True)
+        self.partials = done
         problems = []
         sharded: dict[str, int] = {}
         for key, p in done.items():
@@ -143,6 +145,23 @@ def compare_installed(
                 f"has {layout.describe(t.stride(), entry['shape'])} after restore"
             )
         elif t is not targets[key] and not torch.equal(_bits(t), _bits(targets[key])):
+            problems.append(f"{key}: the live value differs from the loaded one after restore")
+    return problems
+
+
+def compare_exchanged(
+    keys: Iterable[str],
+    loaded: Mapping[str, int | None],
+    live: Mapping[str, torch.Tensor],
+    algorithm: str,
+) -> list[str]:
+    """Check the values of tensors installed by exchanging bytes (the loaded tensors now
+    hold the previous values): each live tensor's share of its fingerprint must be the
+    loaded one's. A replica shard, which no rank's share counts, is not compared."""
+    problems = []
+    for key in keys:
+        expected = loaded.get(key)
+        if expected is not None and key in live and local_partial(live[key], algorithm) != expected:
             problems.append(f"{key}: the live value differs from the loaded one after restore")
     return problems
 

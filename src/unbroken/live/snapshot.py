@@ -2,7 +2,8 @@
 
 A restore is all or nothing. Everything is read and verified before the first live
 object changes; if installing or the checks after it fail midway, each component is put
-back with the undo taken here. Costs: a model's tensors are cloned on their own device
+back with the undo taken here (or, for a model installed by exchanging bytes, with the
+exchange: see ``exchange``). Costs: a model's tensors are cloned on their own device
 (one extra copy of the weights while the restore runs; :func:`begin` makes that copy
 while the checkpoint is being read); an optimizer keeps references to its previous state
 (``load_state_dict`` replaces state objects, it does not write into them); other
@@ -12,7 +13,7 @@ components' ``state_dict()`` is deep-copied.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -25,15 +26,27 @@ from .state import Component, ModelComponent
 Undo = Callable[[], None]
 
 
-def begin(components: Sequence[Component]) -> Callable[[], list[Undo]]:
+def begin(
+    components: Sequence[Component], given: Mapping[str, Undo] | None = None
+) -> Callable[[], list[Undo]]:
     """Start taking the undos of ``components``, to be collected (in order) by calling the
     result, before anything is installed; an undo raises if the previous state cannot be
-    put back. Each component's state is captured here, in the calling thread (a capture
-    may be collective); the model's tensors are cloned in a background thread meanwhile,
+    put back. ``given``: undos the caller already has, by component name (a model
+    installed by exchanging bytes keeps its previous values itself). Each other
+    component's state is captured here, in the calling thread (a capture may be
+    collective); a model's tensors are cloned in a background thread meanwhile,
     overlapping whatever the caller does next (the read). The live objects must not
     change until the result is called."""
-    models = {i: c.capture() for i, c in enumerate(components) if isinstance(c, ModelComponent)}
-    others = {i: _take(c) for i, c in enumerate(components) if i not in models}
+    given = given or {}
+    others = {i: given[c.name] for i, c in enumerate(components) if c.name in given}
+    models = {
+        i: c.capture()
+        for i, c in enumerate(components)
+        if isinstance(c, ModelComponent) and i not in others
+    }
+    others.update(
+        {i: _take(c) for i, c in enumerate(components) if i not in models and i not in others}
+    )
     copying = None
     if models:
         pool = ThreadPoolExecutor(1, thread_name_prefix="unbroken-undo")

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
 from ..format import layout, tree
 from ..format.manifest import DTYPES
-from . import fsdp1, torch_compat
+from . import exchange, fsdp1, torch_compat
 from .torch_compat import normalized_fqns
 
 _MAX_LISTED = 5
@@ -210,6 +210,15 @@ class ModelComponent(Component):
                 "before restore()"
             )
         return {key: empty_target(entry, live[key]) for key, entry in saved_keys.items()}
+
+    def exchange_plan(
+        self, live: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]
+    ) -> exchange.Exchange | None:
+        """How to install ``targets`` by exchanging bytes with ``live`` (this model's state,
+        keyed alike), or None where only :meth:`install` is faithful (FSDP1 among them)."""
+        if any(self.fsdp1.values()):
+            return None
+        return exchange.plan(self.models, live, targets)
 
     def install(self, state: Any) -> None:
         options = StateDictOptions(strict=True)

@@ -10,6 +10,9 @@ restoring a wrong checkpoint.
   :func:`is_unwrapped`, which tells when that normalization has nothing to do (no
   wrapper, no ``_fqn_modifiers``), so that a module's own ``state_dict()`` is what
   torch's model state-dict API would return.
+- :func:`is_fsdp2_load_hook`: the load-state-dict hooks FSDP2 registers itself (resharding
+  before a load, re-padding after one), recognized by the module that defines them
+  (``torch.distributed.fsdp._fully_shard``).
 - :func:`fsdp1_originals`: the original parameters an FSDP1 module manages
   (``FlatParameter._fqns``, ``_shapes``, ``_param_infos``, through FSDP's own
   ``_get_fqn_to_fsdp_param_info``, so the FQNs are the ones FSDP keys optimizer state by).
@@ -61,6 +64,16 @@ def is_unwrapped(module: nn.Module) -> bool:
         if getattr(type(m), "_fqn_modifiers", None) is not None:
             return False
     return True
+
+
+_FSDP2_PACKAGE = "torch.distributed.fsdp._fully_shard"
+
+
+def is_fsdp2_load_hook(hook: object) -> bool:
+    """Whether a module's load-state-dict pre or post hook is one FSDP2 registers itself
+    (``torch.nn.Module`` wraps some hooks, keeping the wrapped function's ``__module__``)."""
+    defined_in = getattr(getattr(hook, "hook", hook), "__module__", None) or ""
+    return defined_in == _FSDP2_PACKAGE or defined_in.startswith(_FSDP2_PACKAGE + ".")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,243 @@
+"""Installing a model by exchanging bytes with the live tensors (issue 15, restore speed and
+memory) must be exactly what ``load_state_dict`` would have done, undoable at any point,
+and still proven by the comparison after install; models it cannot serve faithfully go
+through ``load_state_dict`` as before."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import unbroken as ub
+from conftest import Problem, TinyNet, assert_same_training_state
+from unbroken.live import exchange
+
+
+def _trained(tmp_path, steps: int = 4) -> Problem:
+    p = Problem()
+    for _ in range(steps):
+        p.step()
+    p.checkpointer(tmp_path).save(steps)
+    return p
+
+
+@pytest.fixture
+def plans(monkeypatch):
+    """Records whether each restore's model was planned for an exchange."""
+    seen: list[bool] = []
+    real = exchange.plan
+
+    def spy(*args, **kwargs):
+        got = real(*args, **kwargs)
+        seen.append(got is not None)
+        return got
+
+    monkeypatch.setattr(exchange, "plan", spy)
+    return seen
+
+
+def test_exchange_installs_exactly_in_the_same_objects(tmp_path, plans):
+    """F1/F4: the resumed run continues bit for bit; the parameters stay the same objects at
+    the same addresses (a view taken before restore sees the restored weights)."""
+    saved = _trained(tmp_path)
+    at_save = {k: v.clone() for k, v in saved.model.state_dict().items()}
+    going_on = [saved.step() for _ in range(3)]
+    live = Problem(seed=3)
+    params = list(live.model.parameters())
+    addresses = [p.data_ptr() for p in params]
+    view = live.model.inp.weight.detach()[0]
+    report = live.checkpointer(tmp_path).restore()  # puts the global RNG back, too
+    assert report.verified and plans == [True]
+    assert list(live.model.parameters()) == params
+    assert [p.data_ptr() for p in params] == addresses
+    assert torch.equal(view, at_save["inp.weight"][0])
+    for k, v in live.model.state_dict().items():
+        assert torch.equal(v, at_save[k]), k
+    assert [live.step() for _ in range(3)] == going_on
+    assert_same_training_state(saved, live)
+
+
+def test_a_broken_exchange_is_caught_by_the_check_after_install(tmp_path, plans, monkeypatch):
+    """F4 (weights not installed): an install that leaves the live weights as they were
+    fails verification, and the model is put back."""
+    _trained(tmp_path)
+    live = Problem(seed=3)
+    before = {k: v.clone() for k, v in live.model.state_dict().items()}
+    monkeypatch.setattr(exchange.Exchange, "install", lambda self: None)
+    with pytest.raises(ub.StateMismatchError, match="differs from the loaded one"):
+        live.checkpointer(tmp_path).restore()
+    assert plans == [True]
+    for k, v in live.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def _exchange_for(model: nn.Module, source: nn.Module) -> tuple[exchange.Exchange, dict]:
+    live = dict(model.state_dict())
+    targets = {k: v.clone() for k, v in source.state_dict().items()}
+    plan = exchange.plan({None: model}, live, targets)
+    assert plan is not None
+    return plan, targets
+
+
+@pytest.mark.parametrize("chunk", [64, 1 << 20])
+def test_an_interrupt_anywhere_in_the_exchange_is_undone(monkeypatch, chunk):
+    """All or nothing (issue 10): a Ctrl-C between any two statements of the exchange (tried
+    at every one of them) leaves the model exactly as it was after undo."""
+    monkeypatch.setattr(exchange, "_CHUNK", chunk)
+    torch.manual_seed(0)
+    model, source = TinyNet(width=40), TinyNet(width=40)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    code = exchange.Exchange.install.__code__
+    events = 1
+    while True:
+        plan, _ = _exchange_for(model, source)
+        seen = 0
+
+        def tracer(frame, event, arg, stop_at=events):
+            nonlocal seen
+            if frame.f_code is code and event == "line":
+                seen += 1
+                if seen == stop_at:
+                    raise KeyboardInterrupt
+            return tracer
+
+        sys.settrace(tracer)
+        try:
+            plan.install()
+            finished = True
+        except KeyboardInterrupt:
+            finished = False
+        finally:
+            sys.settrace(None)
+        if finished:
+            assert all(
+                torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items()
+            )
+        plan.undo()
+        for k, v in model.state_dict().items():
+            assert torch.equal(v, before[k]), (events, k)
+        if finished:
+            break
+        events += 1
+    assert events > 10  # every statement of several chunks was interrupted once
+
+
+class Transforming(nn.Linear):
+    """Loads a scaled copy of what it is given: only load_state_dict does that."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"] * 1
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+def _with_hook() -> nn.Module:
+    m = TinyNet()
+    m.inp.register_load_state_dict_post_hook(lambda module, keys: None)
+    return m
+
+
+def _with_extra_state() -> nn.Module:
+    class Extra(TinyNet):
+        def get_extra_state(self):
+            return {"n": 1}
+
+        def set_extra_state(self, state):
+            pass
+
+    return Extra()
+
+
+def _with_alias() -> nn.Module:
+    m = TinyNet()
+    m.register_buffer("alias", m.inp.weight.detach()[1:])  # overlaps, is not the same tensor
+    return m
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: nn.Sequential(Transforming(4, 2)),
+        _with_hook,
+        _with_extra_state,
+        _with_alias,
+    ],
+    ids=["own-load-from-state-dict", "load-hook", "extra-state", "overlapping-views"],
+)
+def test_models_only_load_state_dict_serves_are_not_exchanged(build):
+    """F4: modules with their own loading, load hooks, extra state or partly overlapping
+    tensors install through load_state_dict, as before."""
+    model = build()
+    live = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    targets = {k: v.clone() for k, v in live.items()}
+    assert exchange.plan({None: model}, live, targets) is None
+
+
+def test_a_model_with_a_load_hook_restores_through_it(tmp_path, plans):
+    """F4: a post-load hook runs on restore (the model is not exchanged) and the state is
+    exact."""
+    saved = _trained(tmp_path)
+    live = Problem(seed=3)
+    ran = []
+    live.model.out.register_load_state_dict_post_hook(lambda module, keys: ran.append(1))
+    assert live.checkpointer(tmp_path).restore().verified
+    assert plans == [False] and ran == [1]
+    assert_same_training_state(saved, live)
+
+
+class Tied(nn.Module):
+    def __init__(self, tie: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6)
+        self.head = nn.Linear(6, 10, bias=False)
+        if tie:
+            self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+def test_tied_weights_exchange_once(tmp_path, plans):
+    """Tied weights (one tensor, two names) are exchanged once and restore exactly."""
+    torch.manual_seed(0)
+    saved = Tied()
+    ub.Checkpointer(tmp_path, model=saved).save(1)
+    torch.manual_seed(1)
+    live = Tied()
+    assert ub.Checkpointer(tmp_path, model=live).restore().verified
+    assert plans == [True]
+    assert live.head.weight is live.emb.weight
+    assert torch.equal(live.emb.weight, saved.emb.weight)
+
+
+def test_tied_names_with_different_saved_values_are_refused_before_anything_changes(
+    tmp_path, plans
+):
+    """Exact or loud: a checkpoint of an untied model holds two values for what the live
+    model ties; nothing is installed and the error names both."""
+    torch.manual_seed(0)
+    ub.Checkpointer(tmp_path, model=Tied(tie=False)).save(1)
+    torch.manual_seed(1)
+    live = Tied()
+    before = live.emb.weight.detach().clone()
+    with pytest.raises(
+        ub.StateMismatchError, match=r"'model\.head\.weight' and 'model\.emb\.weight'"
+    ):
+        ub.Checkpointer(tmp_path, model=live).restore()
+    assert plans == [True]
+    assert torch.equal(live.emb.weight, before)
+
+
+def test_channels_last_model_exchanges_exactly(tmp_path, plans):
+    """A dense non-contiguous layout (channels-last) is exchanged as one block of bytes."""
+    torch.manual_seed(0)
+    saved = nn.Sequential(nn.Conv2d(3, 8, 3)).to(memory_format=torch.channels_last)
+    ub.Checkpointer(tmp_path, model=saved).save(1)
+    torch.manual_seed(1)
+    live = nn.Sequential(nn.Conv2d(3, 8, 3)).to(memory_format=torch.channels_last)
+    assert ub.Checkpointer(tmp_path, model=live).restore().verified
+    assert plans == [True]
+    assert live[0].weight.stride() == saved[0].weight.stride()
+    assert torch.equal(live[0].weight, saved[0].weight)
