@@ -156,6 +156,12 @@ def _with_alias() -> nn.Module:
     return m
 
 
+def _with_sparse_buffer() -> nn.Module:
+    m = TinyNet()
+    m.register_buffer("mask", torch.eye(3).to_sparse())
+    return m
+
+
 @pytest.mark.parametrize(
     "build",
     [
@@ -163,12 +169,14 @@ def _with_alias() -> nn.Module:
         _with_hook,
         _with_extra_state,
         _with_alias,
+        _with_sparse_buffer,
     ],
-    ids=["own-load-from-state-dict", "load-hook", "extra-state", "overlapping-views"],
+    ids=["own-load-from-state-dict", "load-hook", "extra-state", "overlapping-views", "sparse"],
 )
 def test_models_only_load_state_dict_serves_are_not_exchanged(build):
-    """F4: modules with their own loading, load hooks, extra state or partly overlapping
-    tensors install through load_state_dict, as before."""
+    """F4: modules with their own loading, load hooks, extra state, partly overlapping
+    tensors or tensors whose bytes are not their values install through load_state_dict,
+    as before."""
     model = build()
     live = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     targets = {k: v.clone() for k, v in live.items()}

@@ -39,6 +39,18 @@ def _where(t: torch.Tensor) -> tuple[Any, ...]:
     return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes are its values: a dense tensor of torch's own class (not a
+    subclass, sparse, quantized or lazily conjugated/negated view)."""
+    return (
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and not t.is_conj()
+        and not t.is_neg()
+    )
+
+
 def _span(t: torch.Tensor) -> torch.Tensor | None:
     """``t``'s bytes as one flat uint8 view when its elements fill one block of memory
     (any dense layout: contiguous, channels-last, ...), else None."""
@@ -75,7 +87,7 @@ def _registered(modules: Mapping[Any, nn.Module]) -> set[tuple[Any, ...]]:
     for module in modules.values():
         for m in module.modules():
             for t in (*m._parameters.values(), *m._buffers.values()):
-                if t is not None:
+                if t is not None and _plain(_local(t)):
                     out.add(_where(_local(t)))
     return out
 
@@ -172,6 +184,8 @@ def plan(
     spans: list[tuple[int, int, torch.device]] = []
     for key, t in live.items():
         mine, theirs = _local(t), _local(targets[key])
+        if not (_plain(mine) and _plain(theirs)):
+            return None
         if _where(mine) not in registered or isinstance(t, DTensor) != isinstance(
             targets[key], DTensor
         ):
