@@ -231,7 +231,7 @@ def test_tied_names_with_different_saved_values_are_refused_before_anything_chan
     live = Tied()
     before = live.emb.weight.detach().clone()
     with pytest.raises(
-        ub.StateMismatchError, match=r"'model\.head\.weight' and 'model\.emb\.weight'"
+        ub.StateMismatchError, match=r"'model/head\.weight' and 'model/emb\.weight'"
     ):
         ub.Checkpointer(tmp_path, model=live).restore()
     assert plans == [True]
