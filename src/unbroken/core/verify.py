@@ -21,21 +21,36 @@ from . import collective
 
 def local_partial(t: torch.Tensor, algorithm: str) -> int | None:
     """This rank's share of ``t``'s fingerprint; None where another rank counts it."""
+    return held_partial(t, algorithm) if _counted_here(t) else None
+
+
+def held_partial(t: torch.Tensor, algorithm: str) -> int | None:
+    """The share of ``t``'s fingerprint of the values this rank holds, whether or not this
+    rank is the one that counts them (a replica's too); None if it holds none."""
     if not isinstance(t, DTensor):
         return fingerprint.partial(t, t.shape, [0] * t.dim(), algorithm)
+    if t.device_mesh.get_coordinate() is None:
+        return None
+    (chunk,) = t.__create_chunk_list__()
+    return fingerprint.partial(t.to_local(), t.shape, list(chunk.offsets), algorithm)
+
+
+def _counted_here(t: torch.Tensor) -> bool:
+    """Whether this rank's values of ``t`` count in its fingerprint (a replica's do not)."""
+    if not isinstance(t, DTensor):
+        return True
     coord = t.device_mesh.get_coordinate()
     if coord is None:
-        return None
+        return False
     for dim, placement in enumerate(t.placements):
-        if isinstance(placement, Replicate) and coord[dim] != 0:
-            return None
         if not isinstance(placement, Replicate | Shard):
             raise CheckpointError(
                 f"a DTensor with placement {placement} cannot be checkpointed; "
                 "reduce it to Shard or Replicate first"
             )
-    (chunk,) = t.__create_chunk_list__()
-    return fingerprint.partial(t.to_local(), t.shape, list(chunk.offsets), algorithm)
+        if isinstance(placement, Replicate) and coord[dim] != 0:
+            return False
+    return True
 
 
 def partials(
@@ -71,13 +86,12 @@ class LoadedFingerprints:
         self.algorithm = algorithm
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-fp")
         self._futures: dict[str, Future[int | None]] = {}
-        self.partials: dict[str, int | None] = {}  # this rank's share of each, once checked
+        # The share of each of the values this rank holds (a replica's too), once checked.
+        self.partials: dict[str, int | None] = {}
 
     def loaded(self, key: str) -> None:
         if key in self._targets and key not in self._futures:
-            self._futures[key] = self._pool.submit(
-                local_partial, self._targets[key], self.algorithm
-            )
+            self._futures[key] = self._pool.submit(held_partial, self._targets[key], self.algorithm)
 
     def check(self, entries: Mapping[str, dict[str, Any]]) -> list[str]:
         """Compare with the manifest's fingerprints (collective); return problems."""
@@ -92,7 +106,7 @@ class LoadedFingerprints:
         sharded: dict[str, int] = {}
         for key, p in done.items():
             if isinstance(self._targets[key], DTensor):
-                if p is not None:
+                if p is not None and _counted_here(self._targets[key]):
                     sharded[key] = p
             elif fingerprint.combine([p or 0]) != entries[key]["fingerprint"]:
                 problems.append(f"{key}: the loaded value does not match its saved fingerprint")
@@ -156,12 +170,12 @@ def compare_exchanged(
     algorithm: str,
 ) -> list[str]:
     """Check the values of tensors installed by exchanging bytes (the loaded tensors now
-    hold the previous values): each live tensor's share of its fingerprint must be the
-    loaded one's. A replica shard, which no rank's share counts, is not compared."""
+    hold the previous values): the share of its fingerprint of what each live tensor holds
+    here must be the loaded one's (``loaded``: :attr:`LoadedFingerprints.partials`)."""
     problems = []
     for key in keys:
         expected = loaded.get(key)
-        if expected is not None and key in live and local_partial(live[key], algorithm) != expected:
+        if expected is not None and key in live and held_partial(live[key], algorithm) != expected:
             problems.append(f"{key}: the live value differs from the loaded one after restore")
     return problems
 
