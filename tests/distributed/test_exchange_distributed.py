@@ -78,3 +78,32 @@ def test_an_install_missed_on_one_rank_fails_everywhere(tmp_path, hsdp):
         assert r["planned"] == [True], r
         assert "differs from the loaded one" in r["outcome"] or "rank 1" in r["outcome"], r
         assert r["as_expected"], r
+
+
+def _fsdp2_hooks(rank: int, world: int) -> dict:
+    from unbroken.live import torch_compat
+
+    model, _ = models.build(fsdp_mesh=_mesh(world, False))
+    plain, _ = models.build()
+    plain.head.register_load_state_dict_post_hook(lambda module, keys: None)
+
+    def found(m) -> list[bool]:
+        return [
+            torch_compat.is_fsdp2_load_hook(h)
+            for sub in m.modules()
+            for h in (
+                *sub._load_state_dict_pre_hooks.values(),
+                *sub._load_state_dict_post_hooks.values(),
+            )
+        ]
+
+    return {"fsdp2": found(model), "user": found(plain)}
+
+
+def test_compat_fsdp2_load_hooks_are_recognized():
+    """The private behaviour torch_compat.is_fsdp2_load_hook relies on: the load-state-dict
+    hooks fully_shard registers are defined in torch.distributed.fsdp._fully_shard (both
+    kinds present), and a user's hook is not taken for one."""
+    got = launcher.run(_fsdp2_hooks, 2)[0]
+    assert len(got["fsdp2"]) >= 2 and all(got["fsdp2"]), got
+    assert got["user"] == [False], got

@@ -1,8 +1,9 @@
 """The private PyTorch internals unbroken relies on, all in this one module.
 
 Each function below reads or sets something torch does not promise to keep (a leading
-underscore). ``tests/distributed/test_fsdp1.py`` checks each behaviour on every torch
-version CI runs, so a change in torch fails there, by name, instead of writing or
+underscore, or where torch defines its own hooks). ``tests/distributed/test_fsdp1.py``
+(and, for FSDP2's hooks, ``test_exchange_distributed.py``) checks each behaviour on every
+torch version CI runs, so a change in torch fails there, by name, instead of writing or
 restoring a wrong checkpoint.
 
 - :func:`normalized_fqns`: torch's FQN normalization (``_get_fqns``), which drops the
