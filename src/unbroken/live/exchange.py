@@ -186,9 +186,8 @@ def plan(
         mine, theirs = _local(t), _local(targets[key])
         if not (_plain(mine) and _plain(theirs)):
             return None
-        if _where(mine) not in registered or isinstance(t, DTensor) != isinstance(
-            targets[key], DTensor
-        ):
+        where = _where(mine)
+        if where not in registered or isinstance(t, DTensor) != isinstance(targets[key], DTensor):
             return None
         if (mine.shape, mine.stride(), mine.dtype, mine.device) != (
             theirs.shape,
@@ -197,7 +196,7 @@ def plan(
             theirs.device,
         ):
             return None
-        first = owners.setdefault(_where(mine), key)
+        first = owners.setdefault(where, key)
         if first != key:
             ties[key] = first
             continue

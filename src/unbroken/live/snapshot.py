@@ -38,15 +38,16 @@ def begin(
     overlapping whatever the caller does next (the read). The live objects must not
     change until the result is called."""
     given = given or {}
-    others = {i: given[c.name] for i, c in enumerate(components) if c.name in given}
     models = {
         i: c.capture()
         for i, c in enumerate(components)
-        if isinstance(c, ModelComponent) and i not in others
+        if isinstance(c, ModelComponent) and c.name not in given
     }
-    others.update(
-        {i: _take(c) for i, c in enumerate(components) if i not in models and i not in others}
-    )
+    others = {
+        i: given[c.name] if c.name in given else _take(c)
+        for i, c in enumerate(components)
+        if i not in models
+    }
     copying = None
     if models:
         pool = ThreadPoolExecutor(1, thread_name_prefix="unbroken-undo")
