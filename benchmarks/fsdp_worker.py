@@ -61,6 +61,11 @@ def build(
     return model, opt
 
 
+def shard_file_prefix(rank: int) -> str:
+    """How the names of a rank's shard files begin (``rank_00001.bin``, ``rank_00001.1.bin``)."""
+    return f"rank_{rank:05d}."
+
+
 def local_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     """Bytes of this rank's shard of the state."""
 
@@ -149,6 +154,10 @@ def main() -> None:
         fresh.extend(build(args.mb, args.width, mesh, seed=1, trained=False))
         on_rank0(lambda: drop_page_cache([ours]))()
 
+    def own_shard_files() -> list[str]:
+        """The files of this rank's shard in the step ours saved this round."""
+        return sorted(str(p) for p in Path(ours).glob(f"step_*/{shard_file_prefix(rank)}*"))
+
     # Round-robin, like the single-process cases: each round's restores read its saves.
     cases = [
         Case("ours save", lambda: ckpt.save(next(steps)),
@@ -161,6 +170,8 @@ def main() -> None:
              on_rank0(lambda: drop_page_cache([ours]))),
         Case("raw DCP load, existing objects", lambda: paths.dcp_load(model, opt, raw),
              on_rank0(lambda: drop_page_cache([raw]))),
+        Case("cold read into new tensors", lambda: paths.read_files_new(own_shard_files()),
+             on_rank0(lambda: drop_page_cache([ours]))),
     ]  # fmt: skip
     saves, restores = cases[:2], cases[2:]
     for i in range(args.repeats):  # saves, then restores, each rotated by one per round

@@ -74,6 +74,20 @@ def read_raw_new(like: list[torch.Tensor], path: str) -> list[torch.Tensor]:
     return out
 
 
+def read_files_new(files: list[str], piece: int = 16 << 20) -> list[torch.Tensor]:
+    """Read whole files, one after another, into new tensors of ``piece`` bytes (the
+    size of the benchmark's state tensors): the floor of a rank's cold restore."""
+    out: list[torch.Tensor] = []
+    for path in files:
+        size = os.path.getsize(path)
+        targets = [
+            torch.empty(min(piece, size - at), dtype=torch.uint8) for at in range(0, size, piece)
+        ]
+        read_raw(targets, path)
+        out += targets
+    return out
+
+
 def copy_into(targets: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
     """One copy of the state into memory already allocated and touched."""
     for dst, src in zip(targets, tensors, strict=True):

@@ -53,7 +53,9 @@ FSDP_PEERS = {
     "ours restore, existing objects": "ours_restore",
     "raw DCP save (thread_count=1)": "dcp_save_1",
     "raw DCP load, existing objects": "dcp_load",
+    "cold read into new tensors": "floor_read_new",
 }
+FSDP_FLOOR = "cold read into new tensors"  # each rank's shard files, read into new memory
 OURS_FSDP = ["ours save", "ours restore, fresh objects", "ours restore, existing objects"]
 
 
@@ -153,18 +155,21 @@ def fsdp_table(r: SizeResult) -> str:
         m = Measurement(case["times"], 0)
         med, span = _secs(m)
         peer = _median(r, FSDP_PEERS.get(name, ""))
+        floor = _fsdp_median(f, FSDP_FLOOR) if "restore" in name or name == FSDP_FLOOR else None
         peaks = case["peak_extra"]
         rows.append([
             name, med, span, f"{r.nbytes / 1e9 / m.median:.2f}", _ratio(m.median, peer),
+            _ratio(m.median, floor) if floor else "",
             _mem(peaks[0], shard[0]), _mem(peaks[1], shard[1]) if len(peaks) > 1 else "-",
         ])  # fmt: skip
-    headers = ["what", "median s", "min-max s", "GB/s", "x 1 process",
+    headers = ["what", "median s", "min-max s", "GB/s", "x 1 process", "x 2-rank read",
                "rank 0 peak extra RSS (% of its shard)", "rank 1"]  # fmt: skip
     return "\n".join(
         [
             f"2-rank FSDP2 (torchrun, gloo, fully_shard per layer and root; the same "
             f"{size_text(r.nbytes)} in total, shards of {' + '.join(_mb(s) for s in shard)}; "
-            "x 1 process: over the same path in one process):",
+            "x 1 process: over the same path in one process; x 2-rank read: over each rank "
+            "reading its own shard files, cold, into new tensors, in the same run):",
             "",
             table(headers, rows),
         ]
@@ -278,6 +283,13 @@ def linearity_table(results: list[SizeResult]) -> str:
     )
 
 
+def _fsdp_median(f: dict[str, Any], name: str) -> float | None:
+    case = f.get("cases", {}).get(name)
+    if case is None or case["error"] is not None or not case["times"]:
+        return None
+    return statistics.median(case["times"])
+
+
 def fsdp_targets(r: SizeResult) -> list[Target]:
     if r.fsdp is None:
         return []
@@ -294,6 +306,10 @@ def fsdp_targets(r: SizeResult) -> list[Target]:
             why = case["error"] or "failed"
         out.append(Target(f"2-rank FSDP2 {name.removeprefix('ours ')} vs 1 process", v, 1.2,
                           _x(v), "<= 1.2x", why_none=why))  # fmt: skip
+    fresh, floor = _fsdp_median(f, OURS_FSDP[1]), _fsdp_median(f, FSDP_FLOOR)
+    v = fresh / floor if fresh and floor else None
+    out.append(Target("2-rank FSDP2 restore, fresh objects, vs the ranks' cold read into new "
+                      "tensors", v, 1.05, _x(v), "<= 1.05x", why_none=why))  # fmt: skip
     cases = f.get("cases", {})
     for what, names in [("save", OURS_FSDP[:1]), ("restores", OURS_FSDP[1:])]:
         peaks = [cases[n]["peak_extra"][0] for n in names if n in cases and cases[n]["times"]]
@@ -348,7 +364,9 @@ METHOD = """\
   over the runs. Restores into fresh objects include allocating the optimizer state.
 - 2-rank FSDP2: `fsdp_worker.py` under `torch.distributed.run --nproc_per_node 2`, gloo,
   `init_device_mesh("cpu", (2,))`, `fully_shard` per layer and at the root, one thread per
-  rank; times between barriers on rank 0, peak extra RSS per rank.
+  rank; times between barriers on rank 0, peak extra RSS per rank. The 2-rank floor:
+  each rank reads the files of its own shard that ours saved that round, cold, with plain
+  `readinto` into new tensors of 16 MiB (`paths.read_files_new`).
 - Verification share: `unbroken.format.fingerprint.fingerprint` and xxh3-128 over every tensor
   once (the logic of `verification_cost.py`).
 - Caveats: on a shared machine, other processes' CPU use slows the CPU-heavy paths
