@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import CheckpointError, StateMismatchError
-from ..format import fingerprint, layout
+from ..format import bitwise, fingerprint, layout
 from . import collective
 
 
@@ -117,20 +117,6 @@ class LoadedFingerprints:
         return problems
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as integers (NaN == NaN bitwise), in the widest word that fits:
-    comparing int64 words is ~7x faster than bytes."""
-    local = t.to_local() if isinstance(t, DTensor) else t
-    local = local.detach().contiguous().reshape(-1)
-    if not local.numel():
-        return local
-    raw = local.view(torch.uint8)
-    for word, dtype in ((8, torch.int64), (4, torch.int32), (2, torch.int16)):
-        if raw.numel() % word == 0:
-            return raw.view(dtype)
-    return raw
-
-
 def compare_installed(
     saved: Mapping[str, dict[str, Any]],
     targets: Mapping[str, torch.Tensor],
@@ -158,7 +144,7 @@ def compare_installed(
                 f"{key}: saved with {layout.describe(entry['stride'], entry['shape'])}, live "
                 f"has {layout.describe(t.stride(), entry['shape'])} after restore"
             )
-        elif t is not targets[key] and not torch.equal(_bits(t), _bits(targets[key])):
+        elif t is not targets[key] and not bitwise.equal(t, targets[key]):
             problems.append(f"{key}: the live value differs from the loaded one after restore")
     return problems
 

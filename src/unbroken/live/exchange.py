@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..errors import StateMismatchError
+from ..format import bitwise
 from . import torch_compat
 
 _CHUNK = 1 << 20  # bytes per step: the buffer stays in cache
@@ -114,7 +115,7 @@ class Exchange:
         """Refuse, before anything changes, a checkpoint whose values differ for names that
         are one tensor in the live model (``load_state_dict`` would keep the last)."""
         for key, first in self._ties.items():
-            if not torch.equal(_bytes(targets[key]), _bytes(targets[first])):
+            if not bitwise.equal(targets[key], targets[first]):
                 raise StateMismatchError(
                     f"{key!r} and {first!r} are one tensor in the live model (tied), but the "
                     "checkpoint holds different values for them: it was saved from a model "
@@ -161,10 +162,6 @@ class Exchange:
         if device not in self._buffers:
             self._buffers[device] = torch.empty(_CHUNK, dtype=torch.uint8, device=device)
         return self._buffers[device]
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return _local(t).contiguous().reshape(-1).view(torch.uint8)
 
 
 def plan(

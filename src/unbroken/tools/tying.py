@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..format import bitwise
 from .inspection import model_fqns
 
 
@@ -68,7 +69,7 @@ def confirm(doc: dict[str, Any], ties: dict[str, str],
     for alias, target in ties.items():
         a = read(fqns[alias]).reshape(-1)
         b = read(fqns[target]).reshape(-1)
-        same = a.dtype == b.dtype and a.shape == b.shape and _bytes_equal(a, b)
+        same = a.dtype == b.dtype and a.shape == b.shape and bitwise.equal(a, b)
         if same and not _constant(b):
             out[alias] = target
         del a, b
@@ -84,10 +85,6 @@ def _numel(shape: list[int]) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def _constant(t: torch.Tensor) -> bool:
