@@ -8,14 +8,16 @@ damage to either is named, and a failure while writing one commits nothing.
 
 from __future__ import annotations
 
+import itertools
 import json
+import threading
 
 import pytest
 import torch
 
 from conftest import Problem, assert_same_training_state
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import shard_writer
+from unbroken.format import shard_writer, shards
 
 
 @pytest.fixture
@@ -109,3 +111,63 @@ def test_split_keeps_plan_order_and_balances_bytes():
         shard_writer.SPLIT_MIN_BYTES = old
     assert [[i.n for i in g] for g in groups] == [[5], [1, 1, 1, 1, 1]]
     assert shard_writer._split(items, 1) == [items]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_any_number_of_readers_restores_bit_exactly(split, ckpt_dir, monkeypatch, threads):
+    """Guarantee (silent-drift class): however many threads read a shard's files (one
+    reading them one after another, two sharing three files, one per file), every chunk
+    comes back bit for bit, and each thread reads its files start to end."""
+    monkeypatch.setenv("UNBROKEN_WRITE_FILES", "8")  # three files come out of this state
+    monkeypatch.setattr(shard_writer, "SPLIT_MIN_BYTES", 64)
+    a = Problem()
+    a.step()
+    a.checkpointer(ckpt_dir).save(1)
+    step = ckpt_dir / "step_00000001"
+    assert len(_files(step)) == 3
+    reads: dict[int, list[tuple[str, int]]] = {}
+    original = shards.ShardReader._read_chunk
+
+    def traced(self, index, *args, **kwargs):
+        where = self._location(index)
+        reads.setdefault(threading.get_ident(), []).append((where.file, where.offset))
+        return original(self, index, *args, **kwargs)
+
+    monkeypatch.setenv("UNBROKEN_READ_THREADS", str(threads))
+    monkeypatch.setattr(shards.ShardReader, "_read_chunk", traced)
+    b = Problem(seed=3)
+    report = b.checkpointer(ckpt_dir).restore()
+    assert report.verified
+    assert_same_training_state(a, b)
+    assert {f for seen in reads.values() for f, _ in seen} == set(_files(step))
+    if threads == 1:  # the restoring thread reads them all itself
+        assert list(reads) == [threading.get_ident()]
+    else:  # a pool thread may take a second file once done with its first
+        assert 1 <= len(reads) <= min(threads, 3)
+    for seen in reads.values():  # file after file, each start to end
+        files = [f for i, (f, _) in enumerate(seen) if i == 0 or seen[i - 1][0] != f]
+        assert len(files) == len(set(files)), seen
+        assert all(o1 < o2 for (f1, o1), (f2, o2) in itertools.pairwise(seen) if f1 == f2), seen
+    assert shards.read_threads() == threads
+
+
+def test_read_threads_share_the_cpus_among_local_ranks(monkeypatch):
+    """Two ranks torchrun started on a two-core machine read with one thread each; one
+    process with two; a rank pinned to its own CPUs uses them all; the variable wins."""
+    monkeypatch.delenv("UNBROKEN_READ_THREADS", raising=False)
+    monkeypatch.setattr(shards.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(shards.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert shards.read_threads() == 2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert shards.read_threads() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert shards.read_threads() == 1
+    monkeypatch.setattr(shards.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(shards.os, "sched_getaffinity", lambda pid: {4, 5}, raising=False)
+    assert shards.read_threads() == 2  # pinned: its two CPUs are its own
+    monkeypatch.setenv("UNBROKEN_READ_THREADS", "3")
+    assert shards.read_threads() == 3
+    monkeypatch.setenv("UNBROKEN_READ_THREADS", "0")
+    with pytest.raises(ValueError, match="UNBROKEN_READ_THREADS"):
+        shards.read_threads()

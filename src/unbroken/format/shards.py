@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import os
 import warnings
 from collections import Counter
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from ..errors import CorruptCheckpointError
-from .remote import RemotePath
+from .remote import RemotePath, env_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,29 @@ def quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+READ_THREADS_ENV = "UNBROKEN_READ_THREADS"
+
+
+def read_threads() -> int:
+    """Threads that read the files of a local shard side by side: the CPUs this process
+    may run on, shared with the other ranks torchrun started on this machine
+    (``LOCAL_WORLD_SIZE``) unless the process is pinned to its own CPUs; at least 1.
+    ``UNBROKEN_READ_THREADS`` overrides. On two cores, two ranks restore sooner reading
+    their files one after another than with a thread per file each (four readers on two
+    cores), and one process sooner with two threads (docs/benchmarks.md)."""
+    if os.environ.get(READ_THREADS_ENV, "").strip():
+        return int(env_number(READ_THREADS_ENV, 1, 1))
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = cpus or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    if cpus < (os.cpu_count() or cpus):  # pinned: these CPUs are this process's share
+        local = 1
+    return max(1, cpus // local)
 
 
 def shard_file_name(rank: int) -> str:
@@ -138,6 +162,8 @@ class ShardReader(StorageReader):
         with contextlib.ExitStack() as files:
             opened: dict[str, Any] = {}
             ahead = self._read_ahead(items, planner, uses, files)
+            if not ahead:  # one reader: each file start to end, as it was written
+                items.sort(key=lambda r: self._location(r.storage_index).file)
             for i, req in enumerate(items):
                 if req.type != LoadItemType.TENSOR:
                     raise CorruptCheckpointError(
@@ -190,7 +216,8 @@ class ShardReader(StorageReader):
         that a local read does not; ranges of one large chunk are already fetched in
         parallel by ``Store.read_into``). On a local disk, where a rank's shard is split
         over several files, each file is read start to end by a thread of its own, as it
-        was written; one file is read by the caller's loop."""
+        was written, by up to :func:`read_threads` threads; with one (or one file), the
+        caller's loop reads."""
         whole: dict[int, torch.Tensor] = {}
         for i, req in enumerate(items):
             if req.type != LoadItemType.TENSOR:
@@ -207,10 +234,11 @@ class ShardReader(StorageReader):
             by_file: dict[str, list[int]] = {}
             for i in whole:
                 by_file.setdefault(self._location(items[i].storage_index).file, []).append(i)
-            if len(by_file) < 2:
+            workers = min(len(by_file), read_threads())
+            if workers < 2:
                 return {}
-            workers = len(by_file)
-            groups = list(by_file.values())
+            per_file = list(by_file.values())
+            groups = [list(itertools.chain(*per_file[w::workers])) for w in range(workers)]
         futures: dict[int, ReadFuture[None]] = {i: ReadFuture() for i in whole}
         pool = stack.enter_context(ThreadPoolExecutor(workers, thread_name_prefix="unbroken-read"))
         stack.callback(lambda: [f.cancel() for f in futures.values()])
