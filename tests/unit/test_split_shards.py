@@ -113,13 +113,18 @@ def test_split_keeps_plan_order_and_balances_bytes():
     assert shard_writer._split(items, 1) == [items]
 
 
-@pytest.mark.parametrize("threads", [1, 2, 4])
-def test_any_number_of_readers_restores_bit_exactly(split, ckpt_dir, monkeypatch, threads):
-    """Guarantee (silent-drift class): however many threads read a shard's files (one
-    reading them one after another, two sharing three files, one per file), every chunk
-    comes back bit for bit, and each thread reads its files start to end."""
+@pytest.mark.parametrize(("threads", "run_bytes"), [(1, None), (2, None), (2, 64)])
+def test_any_number_of_readers_restores_bit_exactly(
+    split, ckpt_dir, monkeypatch, threads, run_bytes
+):
+    """Guarantee (silent-drift class): however a shard's files are read (file after file
+    by the restoring thread; a thread per file; files cut into runs of a few chunks read
+    side by side), every chunk comes back bit for bit, and with one reader each file is
+    read start to end, one after another."""
     monkeypatch.setenv("UNBROKEN_WRITE_FILES", "8")  # three files come out of this state
     monkeypatch.setattr(shard_writer, "SPLIT_MIN_BYTES", 64)
+    if run_bytes is not None:
+        monkeypatch.setattr(shards, "READ_RUN_MIN_BYTES", run_bytes)
     a = Problem()
     a.step()
     a.checkpointer(ckpt_dir).save(1)
@@ -140,32 +145,49 @@ def test_any_number_of_readers_restores_bit_exactly(split, ckpt_dir, monkeypatch
     assert report.verified
     assert_same_training_state(a, b)
     assert {f for seen in reads.values() for f, _ in seen} == set(_files(step))
-    if threads == 1:  # the restoring thread reads them all itself
+    if threads == 1:  # the restoring thread reads them all, file after file
+        (seen,) = reads.values()
         assert list(reads) == [threading.get_ident()]
-    else:  # a pool thread may take a second file once done with its first
-        assert 1 <= len(reads) <= min(threads, 3)
-    for seen in reads.values():  # file after file, each start to end
         files = [f for i, (f, _) in enumerate(seen) if i == 0 or seen[i - 1][0] != f]
         assert len(files) == len(set(files)), seen
-        assert all(o1 < o2 for (f1, o1), (f2, o2) in itertools.pairwise(seen) if f1 == f2), seen
-    assert shards.read_threads() == threads
+        assert all(o1 < o2 for (f1, o1), (f2, o2) in itertools.pairwise(seen) if f1 == f2)
+    else:
+        assert threading.get_ident() not in reads  # the pool read every whole chunk
+
+
+def test_runs_are_consecutive_balanced_and_capped(monkeypatch):
+    """Each file is cut into runs of consecutive chunks, none below the minimum run size,
+    at most ``MAX_READERS`` in all, shared among files by their size."""
+    monkeypatch.setattr(shards, "READ_RUN_MIN_BYTES", 100)
+    small = [(0, 50), (1, 40)]  # 90 bytes: below one run
+    big = [(i, 100) for i in range(2, 42)]  # 4,000 bytes
+    runs = shards._runs([small, big], shards.MAX_READERS)
+    assert runs[0] == [0, 1]
+    assert [i for run in runs[1:] for i in run] == list(range(2, 42))  # order kept
+    assert len(runs) <= shards.MAX_READERS + 1  # at least one per file
+    assert len(runs) - 1 == shards.MAX_READERS * 4000 // 4090
+    sizes = [100 * len(run) for run in runs[1:]]
+    assert max(sizes) - min(sizes) <= 100  # balanced within a chunk
+    assert shards._runs([[(0, 10)]], 8) == [[0]]
+    assert shards._runs([big], 2) == [list(range(2, 22)), list(range(22, 42))]
 
 
 def test_read_threads_share_the_cpus_among_local_ranks(monkeypatch):
-    """Two ranks torchrun started on a two-core machine read with one thread each; one
-    process with two; a rank pinned to its own CPUs uses them all; the variable wins."""
+    """Two ranks torchrun started on a two-core machine read their files one after
+    another; one process, or a rank pinned to two CPUs of its own, has several reads in
+    flight; the variable wins."""
     monkeypatch.delenv("UNBROKEN_READ_THREADS", raising=False)
     monkeypatch.setattr(shards.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(shards.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert shards.read_threads() == 2
+    assert shards.read_threads() == shards.MAX_READERS
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     assert shards.read_threads() == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert shards.read_threads() == 1
     monkeypatch.setattr(shards.os, "cpu_count", lambda: 16)
     monkeypatch.setattr(shards.os, "sched_getaffinity", lambda pid: {4, 5}, raising=False)
-    assert shards.read_threads() == 2  # pinned: its two CPUs are its own
+    assert shards.read_threads() == shards.MAX_READERS  # pinned: two CPUs of its own
     monkeypatch.setenv("UNBROKEN_READ_THREADS", "3")
     assert shards.read_threads() == 3
     monkeypatch.setenv("UNBROKEN_READ_THREADS", "0")

@@ -19,7 +19,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future as ReadFuture
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import Any
 
 import torch
@@ -58,15 +58,18 @@ def quiet_single_process() -> Iterator[None]:
 
 
 READ_THREADS_ENV = "UNBROKEN_READ_THREADS"
+MAX_READERS = 8  # reads in flight per process on a local disk
+READ_RUN_MIN_BYTES = 32 << 20  # a reader thread reads at least this much in a row
 
 
 def read_threads() -> int:
-    """Threads that read the files of a local shard side by side: the CPUs this process
-    may run on, shared with the other ranks torchrun started on this machine
-    (``LOCAL_WORLD_SIZE``) unless the process is pinned to its own CPUs; at least 1.
-    ``UNBROKEN_READ_THREADS`` overrides. On two cores, two ranks restore sooner reading
-    their files one after another than with a thread per file each (four readers on two
-    cores), and one process sooner with two threads (docs/benchmarks.md)."""
+    """Threads that may read a local shard's files at once: ``MAX_READERS`` where this
+    process has two CPUs or more to itself, else 1 (its files are read one after
+    another). Its share is the CPUs it may run on, divided among the ranks torchrun
+    started on this machine (``LOCAL_WORLD_SIZE``) unless it is pinned to its own.
+    ``UNBROKEN_READ_THREADS`` overrides. Measured on two cores: two ranks restore sooner
+    reading their files one after another than with a thread per file each, one
+    process sooner with several reads in flight (:func:`_runs`)."""
     if os.environ.get(READ_THREADS_ENV, "").strip():
         return int(env_number(READ_THREADS_ENV, 1, 1))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -77,7 +80,31 @@ def read_threads() -> int:
         local = 1
     if cpus < (os.cpu_count() or cpus):  # pinned: these CPUs are this process's share
         local = 1
-    return max(1, cpus // local)
+    return MAX_READERS if cpus // local >= 2 else 1
+
+
+def _runs(files: list[list[tuple[int, int]]], limit: int) -> list[list[int]]:
+    """Cut each file's chunks ((index, bytes) in file order) into runs of consecutive
+    chunks of at least ``READ_RUN_MIN_BYTES``, about ``limit`` runs in all (at least one
+    per file), shared among the files by their size: several reads in flight keep a cold
+    disk busy. Measured (fresh processes, paired runs, two files per shard): at 0.30 GB,
+    cold, four runs per file restored 6-45% sooner than one; at 1.21 GB 1.23-1.26 s
+    against 1.44-2.17 s cold, 0.80-0.85 s against 0.87-0.94 s warm."""
+    sizes = [sum(n for _, n in chunks) for chunks in files]
+    total = sum(sizes) or 1
+    out: list[list[int]] = []
+    for chunks, size in zip(files, sizes, strict=True):
+        count = max(1, min(size // READ_RUN_MIN_BYTES, limit * size // total))
+        runs: list[list[int]] = [[]]
+        done = 0
+        for i, n in chunks:
+            # A new run starts where this chunk's middle lies past the current run's share.
+            if runs[-1] and len(runs) < count and done + n / 2 > size * len(runs) / count:
+                runs.append([])
+            runs[-1].append(i)
+            done += n
+        out += runs
+    return out
 
 
 def shard_file_name(rank: int) -> str:
@@ -164,7 +191,13 @@ class ShardReader(StorageReader):
             ahead = self._read_ahead(items, planner, uses, files)
             if not ahead:  # one reader: each file start to end, as it was written
                 items.sort(key=lambda r: self._location(r.storage_index).file)
-            for i, req in enumerate(items):
+            # What this loop reads itself first (alongside the readers), then the chunks
+            # read ahead as they arrive, so each is fingerprinted as soon as it is in.
+            ahead_index = {future: i for i, (_, future) in ahead.items()}
+            own = (i for i in range(len(items)) if i not in ahead)
+            arrived = (ahead_index[f] for f in as_completed(ahead_index))
+            for i in itertools.chain(own, arrived):
+                req = items[i]
                 if req.type != LoadItemType.TENSOR:
                     raise CorruptCheckpointError(
                         f"{req.storage_index.fqn}: the checkpoint asks for a non-tensor read"
@@ -214,10 +247,10 @@ class ShardReader(StorageReader):
         ahead of the loop that commits them: position in ``items`` -> (target, future).
         On an object store every such chunk is its own request (a request has a latency
         that a local read does not; ranges of one large chunk are already fetched in
-        parallel by ``Store.read_into``). On a local disk, where a rank's shard is split
-        over several files, each file is read start to end by a thread of its own, as it
-        was written, by up to :func:`read_threads` threads; with one (or one file), the
-        caller's loop reads."""
+        parallel by ``Store.read_into``). On a local disk each file is cut into runs of
+        consecutive chunks (:func:`_runs`), each read start to end by a thread, so that
+        several reads are in flight on a cold disk; where this process has less than two
+        CPUs to itself (:func:`read_threads`), the caller's loop reads file after file."""
         whole: dict[int, torch.Tensor] = {}
         for i, req in enumerate(items):
             if req.type != LoadItemType.TENSOR:
@@ -234,11 +267,17 @@ class ShardReader(StorageReader):
             by_file: dict[str, list[int]] = {}
             for i in whole:
                 by_file.setdefault(self._location(items[i].storage_index).file, []).append(i)
-            workers = min(len(by_file), read_threads())
-            if workers < 2:
+            limit = read_threads()
+            if limit < 2:
                 return {}
-            per_file = list(by_file.values())
-            groups = [list(itertools.chain(*per_file[w::workers])) for w in range(workers)]
+            groups = _runs(
+                [[(i, self._location(items[i].storage_index).length) for i in run]
+                 for run in by_file.values()],
+                limit,
+            )  # fmt: skip
+            if len(groups) < 2:
+                return {}
+            workers = len(groups)
         futures: dict[int, ReadFuture[None]] = {i: ReadFuture() for i in whole}
         pool = stack.enter_context(ThreadPoolExecutor(workers, thread_name_prefix="unbroken-read"))
         stack.callback(lambda: [f.cancel() for f in futures.values()])
