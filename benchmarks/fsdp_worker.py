@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 import paths
 import unbroken as ub
 from common import PeakRSS, drop_page_cache, layer_count, release_free_memory, rotated
+from unbroken.format.shards import shard_file_name
 
 
 def build(
@@ -59,11 +60,6 @@ def build(
         opt.step()
         opt.zero_grad(set_to_none=True)
     return model, opt
-
-
-def shard_file_prefix(rank: int) -> str:
-    """How the names of a rank's shard files begin (``rank_00001.bin``, ``rank_00001.1.bin``)."""
-    return f"rank_{rank:05d}."
 
 
 def local_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
@@ -156,7 +152,9 @@ def main() -> None:
 
     def own_shard_files() -> list[str]:
         """The files of this rank's shard in the step ours saved this round."""
-        return sorted(str(p) for p in Path(ours).glob(f"step_*/{shard_file_prefix(rank)}*"))
+        first = shard_file_name(rank)  # rank_NNNNN.bin; a split shard adds rank_NNNNN.1.bin, ...
+        prefix = first.removesuffix(".bin")
+        return sorted(str(p) for p in Path(ours).glob(f"step_*/{prefix}.*bin"))
 
     # Round-robin, like the single-process cases: each round's restores read its saves.
     cases = [
