@@ -13,6 +13,7 @@ from torch import nn
 
 import unbroken as ub
 from conftest import Problem, TinyNet, assert_same_training_state
+from unbroken.core import verify
 from unbroken.live import exchange
 
 
@@ -70,6 +71,39 @@ def test_a_broken_exchange_is_caught_by_the_check_after_install(tmp_path, plans,
     with pytest.raises(ub.StateMismatchError, match="differs from the loaded one"):
         live.checkpointer(tmp_path).restore()
     assert plans == [True]
+    for k, v in live.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+@pytest.mark.parametrize("by", ["checksum", "fingerprint"])
+def test_an_exchange_that_installs_one_wrong_bit_is_caught(tmp_path, plans, monkeypatch, by):
+    """F4/F5 (a value not installed as saved): one flipped bit in a live weight after the
+    exchange fails the check after install, whether it compares the live bytes with the
+    checksum of the one chunk read straight into the loaded tensor (same layout) or, for a
+    tensor read in pieces (resharded), the live fingerprint with the loaded one; the model
+    is put back."""
+    _trained(tmp_path)
+    live = Problem(seed=3)
+    before = {k: v.clone() for k, v in live.model.state_dict().items()}
+    real_install, real_compare = exchange.Exchange.install, verify.compare_exchanged
+    paths: list[bool] = []
+
+    def install_then_flip(self):
+        real_install(self)
+        live.model.inp.weight.detach().view(-1).view(torch.int32)[5] ^= 1
+
+    def compare(keys, loaded, live_tensors, algorithm, read_whole):
+        keys = list(keys)
+        if by == "fingerprint":
+            read_whole = {}  # as if every tensor had been read in pieces
+        paths.append(all(k in read_whole for k in keys if k.endswith("inp.weight")))
+        return real_compare(keys, loaded, live_tensors, algorithm, read_whole)
+
+    monkeypatch.setattr(exchange.Exchange, "install", install_then_flip)
+    monkeypatch.setattr(verify, "compare_exchanged", compare)
+    with pytest.raises(ub.StateMismatchError, match=r"inp\.weight: the live value differs"):
+        live.checkpointer(tmp_path).restore()
+    assert plans == [True] and paths == [by == "checksum"]
     for k, v in live.model.state_dict().items():
         assert torch.equal(v, before[k]), k
 

@@ -20,7 +20,7 @@ from ..errors import (
 )
 from ..format import files, manifest, schema, tree
 from ..format.remote import RemotePath
-from ..format.shards import ShardReader, quiet_single_process
+from ..format.shards import ChunkLocation, ShardReader, quiet_single_process
 from ..live import exchange, probe, snapshot
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, live_tensors
@@ -183,7 +183,7 @@ def restore(
                     saved_keys[c.name],
                     targets,
                     rank,
-                    (swap.keys, loaded) if swap is not None else None,
+                    (swap.keys, loaded, reader.read_whole) if swap is not None else None,
                 )
         if doc.get("probe") and probe_fn is not None:
             _check_probe(doc["probe"], probe_fn, model, rank, saved_world, world)
@@ -298,19 +298,22 @@ def _verify_live(
     keys: dict[str, dict],
     targets: dict,
     rank: int,
-    exchanged: tuple[list[str], verify.LoadedFingerprints] | None,
+    exchanged: tuple[list[str], verify.LoadedFingerprints, dict[str, ChunkLocation]] | None,
 ) -> None:
     """Compare the component's live state with what was loaded; ``exchanged``: the keys
     installed by exchanging bytes (their targets now hold the previous values, so their
-    values are compared by fingerprint) and the loaded fingerprints."""
+    values are compared with the checksums or fingerprints of what was loaded), the loaded
+    fingerprints, and the chunks read whole into their targets."""
     live_skeleton, live = live_tensors(c, component_prefix(c, rank))
     if exchanged is None:
         problems = verify.compare_installed(keys, targets, live)
     else:
-        swapped, loaded = exchanged
+        swapped, loaded, read_whole = exchanged
         expected = {**targets, **{k: live[k] for k in swapped if k in live}}
         problems = verify.compare_installed(keys, expected, live)
-        problems += verify.compare_exchanged(swapped, loaded.partials, live, loaded.algorithm)
+        problems += verify.compare_exchanged(
+            swapped, loaded.partials, live, loaded.algorithm, read_whole
+        )
     where = None if problems else tree.difference(skeleton, live_skeleton, c.name)
     if where is not None:
         problems.append(

@@ -163,6 +163,9 @@ class ShardReader(StorageReader):
         self.metadata = metadata_from_entries(entries)
         self.entries = entries
         self.on_loaded = on_loaded
+        # Target (FQN) -> the one chunk read straight into it, whose checksum is therefore
+        # the xxh3-128 of the target's bytes (set by read_data).
+        self.read_whole: dict[str, ChunkLocation] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass
@@ -184,6 +187,7 @@ class ShardReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         cache: dict[MetadataIndex, torch.Tensor] = {}
         remaining = Counter(req.dest_index.fqn for req in plan.items)
+        single = {fqn for fqn, n in remaining.items() if n == 1}
         uses = Counter(req.storage_index for req in plan.items)
         items = sorted(plan.items, key=lambda r: self._location(r.storage_index).offset)
         with contextlib.ExitStack() as files:
@@ -202,17 +206,20 @@ class ShardReader(StorageReader):
                     raise CorruptCheckpointError(
                         f"{req.storage_index.fqn}: the checkpoint asks for a non-tensor read"
                     )
-                if i in ahead:  # read (and checked) already, in parallel
+                whole = i in ahead
+                if whole:  # read (and checked) already, in parallel
                     target = ahead[i][0]
                     ahead[i][1].result()
                 else:
                     target = planner.resolve_tensor(req).detach()
-                if i in ahead:
-                    pass  # nothing left to read
-                elif uses[req.storage_index] == 1 and self._fits_whole(req, target):
                     # The common case (same world size): bytes go straight into the
                     # target, no staging buffer, no second copy.
-                    self._read_chunk(req.storage_index, files, opened, into=target)
+                    whole = uses[req.storage_index] == 1 and self._fits_whole(req, target)
+                    if whole:
+                        self._read_chunk(req.storage_index, files, opened, into=target)
+                if whole:
+                    if req.dest_index.fqn in single:
+                        self.read_whole[req.dest_index.fqn] = self._location(req.storage_index)
                 else:
                     chunk = cache.get(req.storage_index)
                     if chunk is None:
