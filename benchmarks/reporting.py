@@ -298,11 +298,9 @@ def fsdp_targets(r: SizeResult) -> list[Target]:
     why = f.get("error", "")
     for name in OURS_FSDP:
         case = f.get("cases", {}).get(name)
-        single = _median(r, FSDP_PEERS[name])
-        v = None
-        if case is not None and case["times"] and case["error"] is None and single:
-            v = statistics.median(case["times"]) / single
-        elif case is not None:
+        ours, single = _fsdp_median(f, name), _median(r, FSDP_PEERS[name])
+        v = ours / single if ours and single else None
+        if ours is None and case is not None:
             why = case["error"] or "failed"
         out.append(Target(f"2-rank FSDP2 {name.removeprefix('ours ')} vs 1 process", v, 1.2,
                           _x(v), "<= 1.2x", why_none=why))  # fmt: skip
