@@ -159,7 +159,7 @@ def compare_exchanged(
     """Check the values of tensors installed by exchanging bytes (the loaded tensors now
     hold the previous values). Where one checked chunk was read straight into the whole
     loaded tensor (``read_whole``: :attr:`ShardReader.read_whole`), the live bytes'
-    xxh3-128 must be that chunk's checksum (three times faster than a fingerprint);
+    xxh3-128 must be that chunk's checksum (xxh3 runs at over twice a fingerprint's speed);
     elsewhere the share of its fingerprint of what the live tensor holds here must be the
     loaded one's (``loaded``: :attr:`LoadedFingerprints.partials`)."""
     problems = []
