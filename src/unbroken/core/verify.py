@@ -98,7 +98,13 @@ class LoadedFingerprints:
         try:
             for key in self._targets:
                 self.loaded(key)
-            done = {key: f.result() for key, f in self._futures.items()}
+            # The reads are over: this thread takes what the worker has not started, from
+            # the back of its queue, so that two cores share the last fingerprints.
+            mine = {}
+            for key, f in reversed(self._futures.items()):
+                if f.cancel():
+                    mine[key] = held_partial(self._targets[key], self.algorithm)
+            done = {k: mine[k] if k in mine else f.result() for k, f in self._futures.items()}
         finally:
             self._pool.shutdown(wait=True)
         self.partials = done
