@@ -174,7 +174,7 @@ def compare_exchanged(
             continue
         local = live[key].to_local() if isinstance(live[key], DTensor) else live[key]
         chunk = read_whole.get(key)
-        if chunk is not None and local.is_contiguous() and _nbytes(local) == chunk.length:
+        if chunk is not None and local.is_contiguous() and local.nbytes == chunk.length:
             same = shards.checksum(shards.tensor_bytes(local)) == chunk.checksum
         else:
             expected = loaded.get(key)
@@ -182,10 +182,6 @@ def compare_exchanged(
         if not same:
             problems.append(f"{key}: the live value differs from the loaded one after restore")
     return problems
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def raise_problems(problems: list[str], what: str) -> None:
