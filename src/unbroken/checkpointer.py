@@ -374,12 +374,14 @@ class Checkpointer:
         return retire
 
     def _start_replay(self, resumed: int, saved_by: str | None, world: int, reset: list) -> None:
-        def build() -> ReplayCheck:
-            return ReplayCheck.from_file(self._dir.root, resumed, saved_by, world, reset)
+        built: list[ReplayCheck] = []  # rank 0's; the other ranks get its verdict
 
-        check = collective.agree(build, only_rank0=True)
-        verdict = collective.from_rank0(check.verdict if check is not None else None)
-        self._replay = check if check is not None else ReplayCheck.passive(verdict)
+        def verdict() -> ReplayVerdict | None:
+            built.append(ReplayCheck.from_file(self._dir.root, resumed, saved_by, world, reset))
+            return built[0].verdict
+
+        shared = collective.on_rank0(verdict)
+        self._replay = built[0] if built else ReplayCheck.passive(shared)
 
     def _share_replay(self) -> None:
         """Every rank adopts rank 0's verdict (collective)."""

@@ -75,6 +75,34 @@ def test_a_broken_exchange_is_caught_by_the_check_after_install(tmp_path, plans,
         assert torch.equal(v, before[k]), k
 
 
+def test_a_failed_check_is_reported_before_the_probe_and_the_probe_still_runs(
+    tmp_path, plans, monkeypatch
+):
+    """F4 (weights not installed) with a probe: the probe differs too, but the check that
+    names the tensor is what the error reports; the probe still ran (in a sharded model
+    its forward is collective, so every rank runs it whatever its own check found), and
+    the model is put back."""
+    x = torch.ones(2, 8)  # into the last layer: TinyNet's forward counts what it sees
+    saved = Problem()
+    saved.step()
+    saved.checkpointer(tmp_path, probe=lambda m: m.out(x).sum()).save(1)
+    live = Problem(seed=3)
+    before = {k: v.clone() for k, v in live.model.state_dict().items()}
+    probed = []
+
+    def probe(m):
+        probed.append(1)
+        return m.out(x).sum()
+
+    monkeypatch.setattr(exchange.Exchange, "install", lambda self: None)
+    with pytest.raises(ub.StateMismatchError, match="differs from the loaded one") as raised:
+        live.checkpointer(tmp_path, probe=probe).restore()
+    assert "probe" not in str(raised.value).split("(nothing was changed")[0]
+    assert probed == [1]
+    for k, v in live.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
 @pytest.mark.parametrize("by", ["checksum", "fingerprint"])
 def test_an_exchange_that_installs_one_wrong_bit_is_caught(tmp_path, plans, monkeypatch, by):
     """F4/F5 (a value not installed as saved): one flipped bit in a live weight after the

@@ -21,8 +21,7 @@ from . import collective
 
 def abandoned_steps(ckdir: CheckpointDir, fork: int) -> list[int]:
     """Committed steps newer than ``fork``; rank 0 lists them, every rank gets its list."""
-    steps = collective.agree(lambda: [s for s in ckdir.steps() if s > fork], only_rank0=True)
-    return list(collective.from_rank0(steps) or [])
+    return collective.on_rank0(lambda: [s for s in ckdir.steps() if s > fork]) or []
 
 
 def amend_last_event(lineage: list[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:

@@ -100,6 +100,37 @@ def agree(fn: Callable[[], T], *, only_rank0: bool = False) -> T | None:
     return result
 
 
+def on_rank0(fn: Callable[[], T]) -> T | None:
+    """Run ``fn`` on rank 0 only and return its result on every rank; if it raised, raise
+    on every rank (as :func:`agree` with ``only_rank0``). One broadcast: half the rounds
+    of :func:`agree` followed by :func:`from_rank0`."""
+    result, error = _attempt(fn) if rank() == 0 else (None, None)
+    if not active():
+        if error is not None:
+            raise error
+        return result
+    box = [(None, result) if error is None else ((type(error), str(error)), None)]
+    dist.broadcast_object_list(box, src=0, group=group())
+    summary, value = box[0]
+    _raise_first([summary], error)
+    return value
+
+
+def agree_sharing(fn: Callable[[], T], shared: Any) -> tuple[T | None, list[Any]]:
+    """Run ``fn`` on every rank as :func:`agree` does, and in the same round hand every
+    rank's ``shared`` (computed before, so it does not wait for ``fn``) to every rank, in
+    rank order. Returns ``fn``'s result here and the list of shared values."""
+    result, error = _attempt(fn)
+    if not active():
+        if error is not None:
+            raise error
+        return result, [shared]
+    summary = None if error is None else (type(error), str(error))
+    gathered = gather_all((summary, shared))
+    _raise_first([s for s, _ in gathered], error)
+    return result, [value for _, value in gathered]
+
+
 def agree_all(fn: Callable[[], T]) -> list[T]:
     """Run ``fn`` on every rank and return every rank's result, in rank order, on every
     rank; if it raised anywhere, raise on every rank as :func:`agree` does."""

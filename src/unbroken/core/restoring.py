@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +78,7 @@ def _check_folder(folder: Path) -> dict[str, Any]:
 
 def read_manifest(folder: Path) -> dict[str, Any]:
     """Rank 0 checks the folder (:func:`check_folder`); every rank gets the manifest."""
-    return collective.from_rank0(collective.agree(lambda: check_folder(folder), only_rank0=True))
+    return collective.on_rank0(lambda: check_folder(folder))
 
 
 def restore(
@@ -148,17 +150,18 @@ def restore(
     except CheckpointException as exc:
         raise unwrap(exc, f"reading {folder}") from None
 
-    problems = loaded.check(doc["tensors"])
-    if problems:  # damaged data (or a bug) caught before anything live was touched
-        problems = [f"{folder}: {p}" for p in problems]
+    # Damaged data (or a bug) is caught before anything live is touched, in one round:
+    # each rank's own verdict and its partial fingerprints of sharded tensors.
+    problems, sharded = loaded.check_local(doc["tensors"])
 
     def checked_undos() -> list[snapshot.Undo]:
-        _raise_corrupt(problems)
+        _raise_corrupt(problems, folder)
         for swap in exchanges.values():
             swap.check_ties(targets)
         return undos()  # nothing live has changed up to here
 
-    undo = collective.agree(checked_undos)
+    undo, every_rank = collective.agree_sharing(checked_undos, sharded)
+    _raise_corrupt(loaded.check_sharded(doc["tensors"], every_rank), folder)  # same everywhere
     assert undo is not None
     states = {c.name: tree.decode(skeletons[c.name], targets) for c in active}
     touched: list[int] = []  # indices into active whose install began
@@ -174,19 +177,23 @@ def restore(
             touched.append(-1)  # every install finished
 
         collective.agree(install)
-        for c in active:
-            if c.verify_live:
-                swap = exchanges.get(c.name)
-                _verify_live(
-                    c,
-                    skeletons[c.name],
-                    saved_keys[c.name],
-                    targets,
-                    rank,
-                    (swap.keys, loaded, reader.read_whole) if swap is not None else None,
-                )
-        if doc.get("probe") and probe_fn is not None:
-            _check_probe(doc["probe"], probe_fn, model, rank, saved_world, world)
+        checks = {
+            c.name: functools.partial(
+                _live_problems,
+                c,
+                skeletons[c.name],
+                saved_keys[c.name],
+                targets,
+                rank,
+                exchanges.get(c.name),
+                loaded,
+                reader.read_whole,
+            )
+            for c in active
+            if c.verify_live
+        }
+        probing = doc["probe"] if doc.get("probe") and probe_fn is not None else None
+        _agree_installed(checks, probing, lambda: probe.record(probe_fn, model), saved_world)
     except BaseException as exc:
         raising = None if touched[-1:] == [-1] or not touched else active[touched[-1]].name
         _roll_back([(active[i], undo[i]) for i in touched if i >= 0], raising, exc)
@@ -242,9 +249,10 @@ def _roll_back(
         exc.add_note(note)
 
 
-def _raise_corrupt(problems: list[str]) -> None:
+def _raise_corrupt(problems: list[str], folder: Any) -> None:
     if problems:
-        raise CorruptCheckpointError("; ".join(problems[:5]) + "; use an older step")
+        shown = "; ".join(f"{folder}: {p}" for p in problems[:5])
+        raise CorruptCheckpointError(f"{shown}; use an older step")
 
 
 def _plan(
@@ -292,27 +300,28 @@ def _plan(
     return status, warnings
 
 
-def _verify_live(
+def _live_problems(
     c: Component,
     skeleton: Any,
     keys: dict[str, dict],
     targets: dict,
     rank: int,
-    exchanged: tuple[list[str], verify.LoadedFingerprints, dict[str, ChunkLocation]] | None,
-) -> None:
-    """Compare the component's live state with what was loaded; ``exchanged``: the keys
-    installed by exchanging bytes (their targets now hold the previous values, so their
-    values are compared with the checksums or fingerprints of what was loaded), the loaded
-    fingerprints, and the chunks read whole into their targets."""
+    swap: exchange.Exchange | None,
+    loaded: verify.LoadedFingerprints,
+    read_whole: dict[str, ChunkLocation],
+) -> list[str]:
+    """Problems of the component's live state, compared with what was loaded (no
+    collective). Where ``swap`` installed it by exchanging bytes, the targets of its keys
+    now hold the previous values: those are compared with the checksums of the chunks
+    read whole into them, else with their ``loaded`` fingerprints."""
     live_skeleton, live = live_tensors(c, component_prefix(c, rank))
-    if exchanged is None:
+    if swap is None:
         problems = verify.compare_installed(keys, targets, live)
     else:
-        swapped, loaded, read_whole = exchanged
-        expected = {**targets, **{k: live[k] for k in swapped if k in live}}
+        expected = {**targets, **{k: live[k] for k in swap.keys if k in live}}
         problems = verify.compare_installed(keys, expected, live)
         problems += verify.compare_exchanged(
-            swapped, loaded.partials, live, loaded.algorithm, read_whole
+            swap.keys, loaded.partials, live, loaded.algorithm, read_whole
         )
     where = None if problems else tree.difference(skeleton, live_skeleton, c.name)
     if where is not None:
@@ -320,27 +329,55 @@ def _verify_live(
             f"{c.name}: non-tensor state (hyperparameters, structure, types) differs from "
             f"the saved one at {where}"
         )
-    collective.agree(lambda: verify.raise_problems(problems, repr(c.name)))
+    return problems
 
 
-def _check_probe(
-    recorded: dict[str, Any],
-    probe_fn: probe.Probe,
-    model: Any,
-    rank: int,
+def _agree_installed(
+    checks: dict[str, Callable[[], list[str]]],
+    recorded_probe: dict[str, Any] | None,
+    run_probe: Callable[[], dict[str, Any]],
     saved_world: int,
-    world: int,
 ) -> None:
-    value = probe.record(probe_fn, model)
-    expected = recorded["ranks"][rank if saved_world == world else 0]
+    """Check every component's live state (``checks``: name -> its problems) and, if the
+    checkpoint recorded one, the probe; raise on every rank if any rank found a problem.
+    One round for all of them. A failed check names the tensor: it is reported before any
+    rank's probe mismatch."""
+    # Every rank runs every check and the probe, whatever its own earlier ones found:
+    # capturing an FSDP1 optimizer's state, or a sharded model's forward, is collective.
+    failure: Exception | None = None
+    for name, problems in checks.items():
+        try:
+            verify.raise_problems(problems(), repr(name))
+        except Exception as exc:
+            failure = failure or exc
+    mismatch = None
+    if recorded_probe is not None:
+        try:
+            mismatch = _probe_mismatch(recorded_probe, run_probe(), saved_world)
+        except Exception as exc:  # a probe that fails on one rank fails on every rank
+            failure = failure or exc
 
-    def compare() -> None:
-        if value != expected:
-            raise StateMismatchError(
-                f"the probe differs after restore: saved {probe.describe(expected)}, now "
-                f"{probe.describe(value)}. The weights the forward pass uses are not the "
-                "ones saved: something installs them late (after the first step, say); see the "
-                "probe in the README"
-            )
+    def checked() -> None:
+        if failure is not None:
+            raise failure
 
-    collective.agree(compare)
+    _, mismatches = collective.agree_sharing(checked, mismatch)
+    for r, message in enumerate(mismatches):
+        if message is not None:
+            mine = r == collective.rank()
+            raise StateMismatchError(message if mine else f"[rank {r}] {message}")
+
+
+def _probe_mismatch(
+    recorded: dict[str, Any], value: dict[str, Any], saved_world: int
+) -> str | None:
+    """What is wrong with the probe's value after restore, or None if it is the saved one."""
+    same_world = saved_world == collective.world_size()
+    expected = recorded["ranks"][collective.rank() if same_world else 0]
+    if value == expected:
+        return None
+    return (
+        f"the probe differs after restore: saved {probe.describe(expected)}, now "
+        f"{probe.describe(value)}. The weights the forward pass uses are not the ones saved: "
+        "something installs them late (after the first step, say); see the probe in the README"
+    )

@@ -71,8 +71,7 @@ def resume(
     candidates = [] if ignore else Candidates(ckdir, step, candidate_steps)  # re-listed
     skipped = lost_manifests(ckdir)  # damaged folders, named in the report
     if not candidates:
-        looked = collective.agree(lambda: _look(ckdir), only_rank0=True)
-        found, foreign = collective.from_rank0(looked)
+        found, foreign = collective.on_rank0(lambda: _look(ckdir))
         if ignore:
             found = f"{found}; its committed checkpoints are ignored (overwrite=True)"
         if require:
@@ -117,7 +116,7 @@ def resume(
 def check_no_other_run(ckdir: CheckpointDir) -> None:
     """Before the first save of a run that did not restore: the folder must hold no other
     run's committed checkpoints (collective)."""
-    found = collective.from_rank0(collective.agree(ckdir.steps, only_rank0=True))
+    found = collective.on_rank0(ckdir.steps)
     if found:
         shown = ", ".join(map(str, found[:_SHOWN])) + (", ..." if len(found) > _SHOWN else "")
         raise CheckpointError(
@@ -151,7 +150,7 @@ def candidate_steps(ckdir: CheckpointDir, step: int | None) -> list[int]:
             )
         return [step]
 
-    return collective.from_rank0(collective.agree(find, only_rank0=True))
+    return collective.on_rank0(find)
 
 
 def lost_manifests(ckdir: CheckpointDir) -> list[str]:
@@ -168,7 +167,7 @@ def lost_manifests(ckdir: CheckpointDir) -> list[str]:
             logger.warning("%s", warning)
         return found
 
-    return collective.from_rank0(collective.agree(find, only_rank0=True))
+    return collective.on_rank0(find)
 
 
 def _entries(ckdir: CheckpointDir) -> list[str] | None:

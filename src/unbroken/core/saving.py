@@ -184,7 +184,7 @@ def write(ckdir: CheckpointDir, staged: Staged) -> Path | Any:
             ckdir.clean_leftovers()
             return ckdir.token(ckdir.new_partial(step))
 
-        token = collective.from_rank0(collective.agree(prepare, only_rank0=True))
+        token = collective.on_rank0(prepare)
         partial = ckdir.from_token(token)
         try:
             final = _write(ckdir, partial, staged, rank)
@@ -238,8 +238,7 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
         data = manifest.encode(partial, _manifest_body(request, staged, writer, gathered))
         return ckdir.commit(partial, request.step, retire=request.retire, manifest=data)
 
-    final = collective.agree(commit, only_rank0=True)
-    return ckdir.from_token(collective.from_rank0(str(final) if final else None))
+    return ckdir.from_token(collective.on_rank0(lambda: str(commit())))
 
 
 def _manifest_body(

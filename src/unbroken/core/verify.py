@@ -95,6 +95,13 @@ class LoadedFingerprints:
 
     def check(self, entries: Mapping[str, dict[str, Any]]) -> list[str]:
         """Compare with the manifest's fingerprints (collective); return problems."""
+        problems, sharded = self.check_local(entries)
+        return problems + self.check_sharded(entries, collective.gather_all(sharded))
+
+    def check_local(self, entries: Mapping[str, dict[str, Any]]) -> tuple[list[str], dict]:
+        """Wait for every fingerprint; compare whole tensors' with the manifest. Returns
+        their problems and this rank's partials of sharded tensors, for
+        :meth:`check_sharded` once every rank's are gathered (no collective here)."""
         try:
             for key in self._targets:
                 self.loaded(key)
@@ -116,11 +123,18 @@ class LoadedFingerprints:
                     sharded[key] = p
             elif fingerprint.combine([p or 0]) != entries[key]["fingerprint"]:
                 problems.append(f"{key}: the loaded value does not match its saved fingerprint")
-        got = combine(collective.gather_all(sharded))
-        for key, t in self._targets.items():
-            if isinstance(t, DTensor) and got.get(key) != entries[key]["fingerprint"]:
-                problems.append(f"{key}: the loaded value does not match its saved fingerprint")
-        return problems
+        return problems, sharded
+
+    def check_sharded(
+        self, entries: Mapping[str, dict[str, Any]], per_rank: list[dict[str, int]]
+    ) -> list[str]:
+        """Problems of sharded tensors, from every rank's partials (the same on every rank)."""
+        got = combine(per_rank)
+        return [
+            f"{key}: the loaded value does not match its saved fingerprint"
+            for key, t in self._targets.items()
+            if isinstance(t, DTensor) and got.get(key) != entries[key]["fingerprint"]
+        ]
 
 
 def compare_installed(

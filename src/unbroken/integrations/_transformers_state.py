@@ -177,7 +177,7 @@ def find_resume_point(path: str | os.PathLike, step: int | None) -> ResumePoint 
         return None
 
     # Rank 0 reads the manifest; every rank adopts its answer (or its error).
-    found = collective.from_rank0(collective.agree(look, only_rank0=True))
+    found = collective.on_rank0(look)
     if found is None:
         return None
     chosen, state, data = found

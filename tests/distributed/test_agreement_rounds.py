@@ -1,0 +1,165 @@
+"""Decisions shared by every rank in as few rounds as possible (issue 15): rank 0's
+answer in one broadcast, and the checks after install agreed in one round, with the probe
+still run by every rank (a forward of a sharded model is collective)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import launcher, models
+
+pytestmark = pytest.mark.distributed
+
+
+def _rank0_answers(rank: int, world: int) -> dict:
+    from unbroken.core import collective
+
+    calls = []
+
+    def answer() -> dict:
+        calls.append(rank)
+        return {"steps": [3, 1], "from": rank}
+
+    def refuse() -> None:
+        calls.append(rank)
+        raise FileNotFoundError("no such checkpoint folder: /x (on rank 0)")
+
+    got = collective.on_rank0(answer)
+    try:
+        collective.on_rank0(refuse)
+        refused = "nothing raised"
+    except FileNotFoundError as exc:
+        refused = str(exc)
+    return {"got": got, "refused": refused, "calls": calls}
+
+
+def test_rank0_answer_reaches_every_rank_and_so_does_its_error():
+    """Only rank 0 runs the function; its value, or its error (same type), reaches every
+    rank: no rank goes on alone while another raises."""
+    got = launcher.run(_rank0_answers, 3)
+    for rank, r in enumerate(got):
+        assert r["got"] == {"steps": [3, 1], "from": 0}, r
+        assert "no such checkpoint folder" in r["refused"], r
+        assert r["calls"] == ([0, 0] if rank == 0 else []), r
+        assert ("[rank 0]" in r["refused"]) == (rank != 0), r
+
+
+def _share_while_agreeing(rank: int, world: int, failing: int | None) -> dict:
+    from unbroken.core import collective
+
+    def check() -> str:
+        if rank == failing:
+            raise ValueError(f"rank {rank} found a bad checksum")
+        return f"ok on {rank}"
+
+    try:
+        result, shared = collective.agree_sharing(check, {"partial": 10 * rank})
+        return {"result": result, "shared": shared}
+    except ValueError as exc:
+        return {"error": str(exc)}
+
+
+def test_agree_sharing_hands_every_rank_all_values_or_the_first_error():
+    """Values shared in the agreeing round arrive in rank order; a failure on one rank is
+    raised on all of them."""
+    for rank, r in enumerate(launcher.run(_share_while_agreeing, 3, None)):
+        assert r == {"result": f"ok on {rank}", "shared": [{"partial": p} for p in (0, 10, 20)]}
+    for r in launcher.run(_share_while_agreeing, 3, 1):
+        assert "rank 1 found a bad checksum" in r["error"], r
+
+
+def _local_state(model) -> dict[str, torch.Tensor]:
+    return {k: v.to_local().clone() for k, v in model.state_dict().items()}
+
+
+def _restore_with_probe(rank: int, world: int, path: str, fault: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import unbroken as ub
+    from unbroken.live import exchange, probe
+
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = models.build(fsdp_mesh=mesh)
+    models.train_steps(model, opt, 2, rank=rank)
+    x = torch.ones(2, 13)
+    ub.Checkpointer(path, model=model, optimizer=opt, probe=lambda m: m(x).sum()).save(2)
+    dist.barrier()
+
+    forwards = []
+
+    def counted(m):
+        forwards.append(rank)
+        return m(x).sum()
+
+    if fault == "install" and rank == 1:  # rank 1 leaves its weights as they were
+        exchange.Exchange.install = lambda self: None
+    if fault == "probe" and rank == 1:  # rank 1's probe sees other weights
+        real = probe.record
+        probe.record = lambda fn, m: {**real(fn, m), "values": [-1.0]}
+    fresh, fresh_opt = models.build(seed=1, fsdp_mesh=mesh)
+    before = _local_state(fresh)
+    try:
+        ub.Checkpointer(path, model=fresh, optimizer=fresh_opt, probe=counted).restore()
+        outcome = "restored"
+    except ub.StateMismatchError as exc:
+        outcome = str(exc)
+    now = _local_state(fresh)
+    return {
+        "outcome": outcome,
+        "forwards": forwards,
+        "put_back": all(torch.equal(now[k], before[k]) for k in now),
+    }
+
+
+@pytest.mark.parametrize("fault", ["install", "probe"])
+def test_a_failed_check_on_one_rank_fails_every_rank_after_every_rank_probed(tmp_path, fault):
+    """F4 on one rank (its install skipped, or its probe sees other weights): the checks
+    and the probe are agreed in one round, and every rank runs the probe's forward even
+    when its own check already failed (FSDP2's forward all-gathers: a rank that skipped it
+    would leave the others waiting). Every rank refuses and puts its model back."""
+    got = launcher.run(_restore_with_probe, 2, str(tmp_path / "c"), fault, timeout=180)
+    for r in got:
+        assert len(r["forwards"]) == 1, r  # the probe's forward ran once on every rank
+        if fault == "install":
+            assert "differs from the loaded one" in r["outcome"], r
+        else:
+            assert "the probe differs after restore" in r["outcome"], r
+        assert r["put_back"], r
+
+
+def _fsdp1_install_missed_on_rank1(rank: int, world: int, path: str) -> dict:
+    import torch.distributed as dist
+
+    import unbroken as ub
+    from unbroken.live.state import ModelComponent
+
+    model, opt = models.build_fsdp1(use_orig_params=True)
+    models.train_steps(model, opt, 2, rank=rank)
+    ub.Checkpointer(path, model=model, optimizer=opt).save(2)
+    dist.barrier()
+    if rank == 1:  # rank 1's model is installed (collectively), then one value is wrong
+        real = ModelComponent.install
+
+        def install_then_spoil(self, state):
+            real(self, state)
+            with torch.no_grad():
+                next(p for p in fresh.parameters() if p.numel()).view(-1)[0] += 1
+
+        ModelComponent.install = install_then_spoil
+    fresh, fresh_opt = models.build_fsdp1(seed=1, use_orig_params=True)
+    try:
+        ub.Checkpointer(path, model=fresh, optimizer=fresh_opt).restore()
+        return {"outcome": "restored"}
+    except ub.StateMismatchError as exc:
+        return {"outcome": str(exc)}
+
+
+def test_fsdp1_a_check_failed_on_one_rank_still_lets_every_rank_run_the_next(tmp_path):
+    """F5 on one FSDP1 rank: its model check fails, and it still captures its optimizer's
+    state for that check, which FSDP1 does collectively; a rank that skipped it would
+    leave the other waiting. Every rank refuses, naming the model."""
+    got = launcher.run(_fsdp1_install_missed_on_rank1, 2, str(tmp_path / "c"), timeout=120)
+    for r in got:
+        assert "'model' failed verification" in r["outcome"], r
