@@ -45,6 +45,20 @@ def test_rank0_answer_reaches_every_rank_and_so_does_its_error():
         assert ("[rank 0]" in r["refused"]) == (rank != 0), r
 
 
+def _gathered_on_rank0(rank: int, world: int) -> list | None:
+    from unbroken.core import collective
+
+    return collective.gather_to_rank0({"rank": rank, "files": [f"rank_{rank:05d}.bin"]})
+
+
+def test_a_save_gathers_its_records_on_rank0_only():
+    """Only rank 0 writes the manifest: every rank's records reach it, in rank order, and
+    no other rank receives them (at a thousand ranks, a thousand times the bytes)."""
+    got = launcher.run(_gathered_on_rank0, 3)
+    assert got[0] == [{"rank": r, "files": [f"rank_{r:05d}.bin"]} for r in range(3)]
+    assert got[1:] == [None, None]
+
+
 def _share_while_agreeing(rank: int, world: int, failing: int | None) -> dict:
     from unbroken.core import collective
 

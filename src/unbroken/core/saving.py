@@ -232,9 +232,10 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
             "files": writer.file_records,
             "probe": request.probe,
         }
-    gathered = collective.gather_all(local)
+    gathered = collective.gather_to_rank0(local)  # only rank 0 writes the manifest
 
     def commit() -> Path:
+        assert gathered is not None
         data = manifest.encode(partial, _manifest_body(request, staged, writer, gathered))
         return ckdir.commit(partial, request.step, retire=request.retire, manifest=data)
 
