@@ -177,3 +177,79 @@ def test_fsdp1_a_check_failed_on_one_rank_still_lets_every_rank_run_the_next(tmp
     got = launcher.run(_fsdp1_install_missed_on_rank1, 2, str(tmp_path / "c"), timeout=120)
     for r in got:
         assert "'model' failed verification" in r["outcome"], r
+
+
+def _save_fsdp2(rank: int, world: int, path: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import unbroken as ub
+
+    model, opt = models.build(fsdp_mesh=init_device_mesh("cpu", (world,)))
+    models.train_steps(model, opt, 2, rank=rank)
+    ub.Checkpointer(path, model=model, optimizer=opt).save(2)
+
+
+def _restore_fsdp2(rank: int, world: int, path: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import unbroken as ub
+
+    fresh, fresh_opt = models.build(seed=1, fsdp_mesh=init_device_mesh("cpu", (world,)))
+    before = _local_state(fresh)
+    try:
+        ub.Checkpointer(path, model=fresh, optimizer=fresh_opt).restore(
+            reset={"rng"} if world != 2 else set()
+        )
+        outcome = "restored"
+    except ub.CheckpointError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    now = _local_state(fresh)
+    return {"outcome": outcome, "untouched": all(torch.equal(now[k], before[k]) for k in now)}
+
+
+@pytest.mark.parametrize("world", [2, 3], ids=["same-world", "resharded-2-to-3"])
+def test_a_sharded_value_that_misses_its_fingerprint_is_refused_on_every_rank(tmp_path, world):
+    """Every rank's share of a sharded tensor's fingerprint adds up to the saved one, or
+    the restore is refused on every rank before anything live changes. The manifest's
+    fingerprint of one sharded weight is altered (and the manifest re-sealed), its bytes
+    and checksums left intact: what a read into the wrong place would look like."""
+    import manifest_fuzz as fuzz
+
+    path = tmp_path / "c"
+    launcher.run(_save_fsdp2, 2, str(path))
+    folder = path / "step_00000002"
+    doc = fuzz.load(folder)
+    key = next(k for k, e in doc["tensors"].items() if k.endswith("weight") and "stride" not in e)
+    doc["tensors"][key]["fingerprint"] = "0123456789abcdef"
+    (folder / "manifest.json").write_text(fuzz.text(doc))
+    for r in launcher.run(_restore_fsdp2, world, str(path)):
+        assert "CorruptCheckpointError" in r["outcome"], r
+        assert f"{key}: the loaded value does not match its saved fingerprint" in r["outcome"], r
+        assert r["untouched"], r
+
+
+def _summing(rank: int, world: int, failing: int | None) -> dict:
+    from unbroken.core import collective
+
+    def check() -> str:
+        if rank == failing:
+            raise ValueError(f"rank {rank}: a chunk fails its checksum")
+        return "ok"
+
+    top = (1 << 64) - 1  # each rank's share: wraps past 2**64 when added up
+    try:
+        result, sums = collective.agree_summing(check, [top - rank, rank, 1 << 63])
+        return {"result": result, "sums": sums}
+    except ValueError as exc:
+        return {"error": str(exc)}
+
+
+def test_agree_summing_adds_64_bit_shares_exactly_or_raises_the_first_error():
+    """The shares of a sharded tensor's fingerprint add up modulo 2**64 over the ranks in
+    one small all-reduce (not a gather of every rank's shares on every rank); a failure
+    on one rank is still raised, with its message, on every rank."""
+    want = [(3 * ((1 << 64) - 1) - 3) % (1 << 64), 3, (3 << 63) % (1 << 64)]
+    for r in launcher.run(_summing, 3, None):
+        assert r == {"result": "ok", "sums": want}, r
+    for r in launcher.run(_summing, 3, 2):
+        assert "rank 2: a chunk fails its checksum" in r["error"], r

@@ -18,6 +18,7 @@ from ..errors import CheckpointError
 
 T = TypeVar("T")
 _local = threading.local()
+_U32, _U64 = (1 << 32) - 1, (1 << 64) - 1
 
 
 @contextlib.contextmanager
@@ -140,6 +141,30 @@ def agree_sharing(fn: Callable[[], T], shared: Any) -> tuple[T | None, list[Any]
     gathered = gather_all((summary, shared))
     _raise_first([s for s, _ in gathered], error)
     return result, [value for _, value in gathered]
+
+
+def agree_summing(fn: Callable[[], T], values: list[int]) -> tuple[T | None, list[int]]:
+    """Run ``fn`` on every rank as :func:`agree` does, and in the same round add up
+    ``values`` (unsigned 64-bit, wrapping; the same length on every rank) elementwise over
+    the ranks: one all-reduce of a small tensor, whatever the number of ranks. A second
+    round, gathering the errors, is taken only when ``fn`` raised somewhere.
+    Returns ``fn``'s result here and the sums."""
+    result, error = _attempt(fn)
+    if not active():
+        if error is not None:
+            raise error
+        return result, [v & _U64 for v in values]
+    # Each value as two 32-bit halves, so that sums of up to 2**31 ranks stay exact in
+    # int64 (a signed overflow is undefined behaviour in the backends' C++).
+    halves = [v >> s & _U32 for v in values for s in (32, 0)]
+    box = torch.tensor([int(error is not None), *halves], dtype=torch.int64)
+    if dist.get_backend(group()) == "nccl":
+        box = box.cuda()
+    dist.all_reduce(box, op=dist.ReduceOp.SUM, group=group())
+    failed, *sums = box.tolist()
+    if failed:
+        _raise_first(gather_all(None if error is None else (type(error), str(error))), error)
+    return result, [((hi << 32) + lo) & _U64 for hi, lo in zip(sums[::2], sums[1::2], strict=True)]
 
 
 def agree_all(fn: Callable[[], T]) -> list[T]:

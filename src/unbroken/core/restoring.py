@@ -151,8 +151,10 @@ def restore(
         raise unwrap(exc, f"reading {folder}") from None
 
     # Damaged data (or a bug) is caught before anything live is touched, in one round:
-    # each rank's own verdict and its partial fingerprints of sharded tensors.
+    # each rank's own verdict, and the sums of the ranks' shares of sharded tensors'
+    # fingerprints (in the manifest's order of keys: the same on every rank).
     problems, sharded = loaded.check_local(doc["tensors"])
+    keys = list(doc["tensors"])
 
     def checked_undos() -> list[snapshot.Undo]:
         _raise_corrupt(problems, folder)
@@ -160,8 +162,9 @@ def restore(
             swap.check_ties(targets)
         return undos()  # nothing live has changed up to here
 
-    undo, every_rank = collective.agree_sharing(checked_undos, sharded)
-    _raise_corrupt(loaded.check_sharded(doc["tensors"], every_rank), folder)  # same everywhere
+    undo, sums = collective.agree_summing(checked_undos, [sharded.get(k, 0) for k in keys])
+    summed = dict(zip(keys, sums, strict=True))
+    _raise_corrupt(loaded.check_sharded(doc["tensors"], summed), folder)  # same everywhere
     assert undo is not None
     states = {c.name: tree.decode(skeletons[c.name], targets) for c in active}
     touched: list[int] = []  # indices into active whose install began

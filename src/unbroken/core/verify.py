@@ -96,12 +96,14 @@ class LoadedFingerprints:
     def check(self, entries: Mapping[str, dict[str, Any]]) -> list[str]:
         """Compare with the manifest's fingerprints (collective); return problems."""
         problems, sharded = self.check_local(entries)
-        return problems + self.check_sharded(entries, collective.gather_all(sharded))
+        keys = list(entries)  # the manifest's: the same list on every rank
+        _, sums = collective.agree_summing(lambda: None, [sharded.get(k, 0) for k in keys])
+        return problems + self.check_sharded(entries, dict(zip(keys, sums, strict=True)))
 
     def check_local(self, entries: Mapping[str, dict[str, Any]]) -> tuple[list[str], dict]:
         """Wait for every fingerprint; compare whole tensors' with the manifest. Returns
         their problems and this rank's partials of sharded tensors, for
-        :meth:`check_sharded` once every rank's are gathered (no collective here)."""
+        :meth:`check_sharded` once every rank's are added up (no collective here)."""
         try:
             for key in self._targets:
                 self.loaded(key)
@@ -126,14 +128,15 @@ class LoadedFingerprints:
         return problems, sharded
 
     def check_sharded(
-        self, entries: Mapping[str, dict[str, Any]], per_rank: list[dict[str, int]]
+        self, entries: Mapping[str, dict[str, Any]], sums: Mapping[str, int]
     ) -> list[str]:
-        """Problems of sharded tensors, from every rank's partials (the same on every rank)."""
-        got = combine(per_rank)
+        """Problems of sharded tensors, from the sums of every rank's partials (the same on
+        every rank)."""
         return [
             f"{key}: the loaded value does not match its saved fingerprint"
             for key, t in self._targets.items()
-            if isinstance(t, DTensor) and got.get(key) != entries[key]["fingerprint"]
+            if isinstance(t, DTensor)
+            and fingerprint.combine([sums.get(key, 0)]) != entries[key]["fingerprint"]
         ]
 
 
