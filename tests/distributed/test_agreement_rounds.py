@@ -4,6 +4,9 @@ still run by every rank (a forward of a sharded model is collective)."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,7 +15,7 @@ from . import launcher, models
 pytestmark = pytest.mark.distributed
 
 
-def _rank0_answers(rank: int, world: int) -> dict:
+def _rank0_answers(rank: int) -> dict:
     from unbroken.core import collective
 
     calls = []
@@ -34,53 +37,83 @@ def _rank0_answers(rank: int, world: int) -> dict:
     return {"got": got, "refused": refused, "calls": calls}
 
 
-def test_rank0_answer_reaches_every_rank_and_so_does_its_error():
+def _agreeing(rank: int, failing: int | None, agree) -> dict:
+    def check() -> str:
+        if rank == failing:
+            raise ValueError(f"rank {rank}: a chunk fails its checksum")
+        return f"ok on {rank}"
+
+    try:
+        result, values = agree(check)
+        return {"result": result, "values": values}
+    except ValueError as exc:
+        return {"error": str(exc)}
+
+
+_TOP = (1 << 64) - 1  # a share near 2**64: the sums over ranks wrap
+
+
+def _primitives(rank: int, world: int) -> dict:
+    """Worker: each collective primitive on its own, ending in agreement every time, so
+    that one job serves every test below (and a failure leaves the ranks in step)."""
+    from unbroken.core import collective
+
+    def sharing(check):
+        return collective.agree_sharing(check, {"partial": 10 * rank})
+
+    def summing(check):
+        return collective.agree_summing(check, [_TOP - rank, rank, 1 << 63])
+
+    return {
+        "on_rank0": _rank0_answers(rank),
+        "gathered": collective.gather_to_rank0({"rank": rank, "file": f"rank_{rank:05d}.bin"}),
+        "sharing": [_agreeing(rank, failing, sharing) for failing in (None, 1)],
+        "summing": [_agreeing(rank, failing, summing) for failing in (None, 2)],
+    }
+
+
+@pytest.fixture(scope="module")
+def primitives() -> list[dict]:
+    return launcher.run(_primitives, 3)
+
+
+def test_rank0_answer_reaches_every_rank_and_so_does_its_error(primitives):
     """Only rank 0 runs the function; its value, or its error (same type), reaches every
-    rank: no rank goes on alone while another raises."""
-    got = launcher.run(_rank0_answers, 3)
-    for rank, r in enumerate(got):
+    rank in one broadcast: no rank goes on alone while another raises."""
+    for rank, got in enumerate(primitives):
+        r = got["on_rank0"]
         assert r["got"] == {"steps": [3, 1], "from": 0}, r
         assert "no such checkpoint folder" in r["refused"], r
         assert r["calls"] == ([0, 0] if rank == 0 else []), r
         assert ("[rank 0]" in r["refused"]) == (rank != 0), r
 
 
-def _gathered_on_rank0(rank: int, world: int) -> list | None:
-    from unbroken.core import collective
-
-    return collective.gather_to_rank0({"rank": rank, "files": [f"rank_{rank:05d}.bin"]})
-
-
-def test_a_save_gathers_its_records_on_rank0_only():
+def test_a_save_gathers_its_records_on_rank0_only(primitives):
     """Only rank 0 writes the manifest: every rank's records reach it, in rank order, and
     no other rank receives them (at a thousand ranks, a thousand times the bytes)."""
-    got = launcher.run(_gathered_on_rank0, 3)
-    assert got[0] == [{"rank": r, "files": [f"rank_{r:05d}.bin"]} for r in range(3)]
-    assert got[1:] == [None, None]
+    assert primitives[0]["gathered"] == [{"rank": r, "file": f"rank_{r:05d}.bin"} for r in range(3)]
+    assert [got["gathered"] for got in primitives[1:]] == [None, None]
 
 
-def _share_while_agreeing(rank: int, world: int, failing: int | None) -> dict:
-    from unbroken.core import collective
-
-    def check() -> str:
-        if rank == failing:
-            raise ValueError(f"rank {rank} found a bad checksum")
-        return f"ok on {rank}"
-
-    try:
-        result, shared = collective.agree_sharing(check, {"partial": 10 * rank})
-        return {"result": result, "shared": shared}
-    except ValueError as exc:
-        return {"error": str(exc)}
-
-
-def test_agree_sharing_hands_every_rank_all_values_or_the_first_error():
+def test_agree_sharing_hands_every_rank_all_values_or_the_first_error(primitives):
     """Values shared in the agreeing round arrive in rank order; a failure on one rank is
     raised on all of them."""
-    for rank, r in enumerate(launcher.run(_share_while_agreeing, 3, None)):
-        assert r == {"result": f"ok on {rank}", "shared": [{"partial": p} for p in (0, 10, 20)]}
-    for r in launcher.run(_share_while_agreeing, 3, 1):
-        assert "rank 1 found a bad checksum" in r["error"], r
+    for rank, got in enumerate(primitives):
+        ok, failed = got["sharing"]
+        want = [{"partial": p} for p in (0, 10, 20)]
+        assert ok == {"result": f"ok on {rank}", "values": want}, ok
+        assert "rank 1: a chunk fails its checksum" in failed["error"], failed
+
+
+def test_agree_summing_adds_64_bit_shares_exactly_or_raises_the_first_error(primitives):
+    """The shares of a sharded tensor's fingerprint add up modulo 2**64 over the ranks in
+    one small all-reduce (not a gather of every rank's shares on every rank); a failure
+    on one rank is still raised, with its message, on every rank."""
+    want = [(3 * _TOP - 3) % (1 << 64), 3, (3 << 63) % (1 << 64)]
+    for rank, got in enumerate(primitives):
+        ok, failed = got["summing"]
+        assert ok == {"result": f"ok on {rank}", "values": want}, ok
+        assert "rank 2: a chunk fails its checksum" in failed["error"], failed
 
 
 def _local_state(model) -> dict[str, torch.Tensor]:
@@ -207,8 +240,17 @@ def _restore_fsdp2(rank: int, world: int, path: str) -> dict:
     return {"outcome": outcome, "untouched": all(torch.equal(now[k], before[k]) for k in now)}
 
 
+@pytest.fixture(scope="module")
+def fsdp2_saved(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("fsdp2") / "c"
+    launcher.run(_save_fsdp2, 2, str(path))
+    return path
+
+
 @pytest.mark.parametrize("world", [2, 3], ids=["same-world", "resharded-2-to-3"])
-def test_a_sharded_value_that_misses_its_fingerprint_is_refused_on_every_rank(tmp_path, world):
+def test_a_sharded_value_that_misses_its_fingerprint_is_refused_on_every_rank(
+    tmp_path, fsdp2_saved, world
+):
     """Every rank's share of a sharded tensor's fingerprint adds up to the saved one, or
     the restore is refused on every rank before anything live changes. The manifest's
     fingerprint of one sharded weight is altered (and the manifest re-sealed), its bytes
@@ -216,7 +258,7 @@ def test_a_sharded_value_that_misses_its_fingerprint_is_refused_on_every_rank(tm
     import manifest_fuzz as fuzz
 
     path = tmp_path / "c"
-    launcher.run(_save_fsdp2, 2, str(path))
+    shutil.copytree(fsdp2_saved, path)
     folder = path / "step_00000002"
     doc = fuzz.load(folder)
     key = next(k for k, e in doc["tensors"].items() if k.endswith("weight") and "stride" not in e)
@@ -226,30 +268,3 @@ def test_a_sharded_value_that_misses_its_fingerprint_is_refused_on_every_rank(tm
         assert "CorruptCheckpointError" in r["outcome"], r
         assert f"{key}: the loaded value does not match its saved fingerprint" in r["outcome"], r
         assert r["untouched"], r
-
-
-def _summing(rank: int, world: int, failing: int | None) -> dict:
-    from unbroken.core import collective
-
-    def check() -> str:
-        if rank == failing:
-            raise ValueError(f"rank {rank}: a chunk fails its checksum")
-        return "ok"
-
-    top = (1 << 64) - 1  # each rank's share: wraps past 2**64 when added up
-    try:
-        result, sums = collective.agree_summing(check, [top - rank, rank, 1 << 63])
-        return {"result": result, "sums": sums}
-    except ValueError as exc:
-        return {"error": str(exc)}
-
-
-def test_agree_summing_adds_64_bit_shares_exactly_or_raises_the_first_error():
-    """The shares of a sharded tensor's fingerprint add up modulo 2**64 over the ranks in
-    one small all-reduce (not a gather of every rank's shares on every rank); a failure
-    on one rank is still raised, with its message, on every rank."""
-    want = [(3 * ((1 << 64) - 1) - 3) % (1 << 64), 3, (3 << 63) % (1 << 64)]
-    for r in launcher.run(_summing, 3, None):
-        assert r == {"result": "ok", "sums": want}, r
-    for r in launcher.run(_summing, 3, 2):
-        assert "rank 2: a chunk fails its checksum" in r["error"], r
