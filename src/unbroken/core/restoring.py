@@ -147,8 +147,11 @@ def restore(
                 planner=DefaultLoadPlanner(),
                 no_dist=not collective.active(),
             )
-    except CheckpointException as exc:
-        raise unwrap(exc, f"reading {folder}") from None
+    except BaseException as exc:
+        loaded.abandon()
+        if isinstance(exc, CheckpointException):
+            raise unwrap(exc, f"reading {folder}") from None
+        raise
 
     # Damaged data (or a bug) is caught before anything live is touched, in one round:
     # each rank's own verdict, and the sums of the ranks' shares of sharded tensors'
