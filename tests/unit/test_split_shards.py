@@ -26,6 +26,10 @@ def split(monkeypatch):
     monkeypatch.setattr(shard_writer, "SPLIT_MIN_BYTES", 1024)
 
 
+def _ours(prefix: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
 def _files(step_dir):
     return sorted(p.name for p in step_dir.glob("rank_*"))
 
@@ -48,9 +52,22 @@ def test_split_save_restores_bit_exactly(split, ckpt_dir):
     assert_same_training_state(a, b)
 
 
-def test_damage_in_the_second_file_is_named(split, ckpt_dir):
+@pytest.fixture
+def parallel_reads(monkeypatch):
+    """Three files, each cut into runs of a chunk or two, read by four threads."""
+    monkeypatch.setenv("UNBROKEN_WRITE_FILES", "8")
+    monkeypatch.setattr(shard_writer, "SPLIT_MIN_BYTES", 64)
+    monkeypatch.setattr(shards, "READ_RUN_MIN_BYTES", 64)
+    monkeypatch.setenv("UNBROKEN_READ_THREADS", "4")
+
+
+@pytest.mark.parametrize("readers", ["default", "parallel"])
+def test_damage_in_the_second_file_is_named(split, ckpt_dir, request, readers):
     """Guarantee: a flipped byte in the second file is caught and named before anything
-    is installed."""
+    is installed, and every reader and the fingerprint worker end (none waits forever),
+    also when the damaged chunk is one of several read side by side."""
+    if readers == "parallel":
+        request.getfixturevalue("parallel_reads")
     a = Problem()
     a.checkpointer(ckpt_dir).save(1)
     second = ckpt_dir / "step_00000001" / "rank_00000.1.bin"
@@ -62,6 +79,10 @@ def test_damage_in_the_second_file_is_named(split, ckpt_dir):
     with pytest.raises(CorruptCheckpointError, match=r"rank_00000\.1\.bin"):
         b.checkpointer(ckpt_dir).restore(step=1)
     assert all(torch.equal(before[k], v) for k, v in b.model.state_dict().items())
+    workers = _ours("unbroken-read") + _ours("unbroken-fp")
+    for t in workers:
+        t.join(timeout=30)
+    assert not [t.name for t in workers if t.is_alive()]
 
 
 def test_a_failure_in_one_writer_commits_nothing(split, ckpt_dir, monkeypatch):
@@ -195,17 +216,10 @@ def test_read_threads_share_the_cpus_among_local_ranks(monkeypatch):
         shards.read_threads()
 
 
-def _ours(prefix: str) -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
-
-
-def test_every_reader_starts_before_the_first_read(split, ckpt_dir, monkeypatch):
+def test_every_reader_starts_before_the_first_read(split, ckpt_dir, monkeypatch, parallel_reads):
     """The readers and the fingerprint worker all exist before any chunk is read: a thread
     started while the others read into new memory took 5-40 ms to start (measured), and
     the restoring thread waited for it."""
-    monkeypatch.setenv("UNBROKEN_WRITE_FILES", "8")
-    monkeypatch.setattr(shard_writer, "SPLIT_MIN_BYTES", 64)
-    monkeypatch.setattr(shards, "READ_RUN_MIN_BYTES", 64)
     a = Problem()
     a.checkpointer(ckpt_dir).save(1)
     at_first_read: list[tuple[int, int]] = []
@@ -224,7 +238,6 @@ def test_every_reader_starts_before_the_first_read(split, ckpt_dir, monkeypatch)
         groups.append(len(out))
         return out
 
-    monkeypatch.setenv("UNBROKEN_READ_THREADS", "4")
     monkeypatch.setattr(shards.ShardReader, "_read_chunk", traced)
     monkeypatch.setattr(shards, "_runs", counted)
     b = Problem(seed=3)
@@ -233,26 +246,3 @@ def test_every_reader_starts_before_the_first_read(split, ckpt_dir, monkeypatch)
     (count,) = groups
     assert count > 1
     assert at_first_read == [(count, 1)]
-
-
-def test_damage_read_in_parallel_leaves_no_thread_behind(split, ckpt_dir, monkeypatch):
-    """A chunk that fails its checksum in one of several readers is named, nothing is
-    installed, and every reader and the fingerprint worker end (none waits forever)."""
-    monkeypatch.setenv("UNBROKEN_WRITE_FILES", "8")
-    monkeypatch.setattr(shard_writer, "SPLIT_MIN_BYTES", 64)
-    monkeypatch.setattr(shards, "READ_RUN_MIN_BYTES", 64)
-    monkeypatch.setenv("UNBROKEN_READ_THREADS", "4")
-    a = Problem()
-    a.checkpointer(ckpt_dir).save(1)
-    second = ckpt_dir / "step_00000001" / "rank_00000.1.bin"
-    data = bytearray(second.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    second.write_bytes(bytes(data))
-    b = Problem(seed=3)
-    before = {k: v.clone() for k, v in b.model.state_dict().items()}
-    with pytest.raises(CorruptCheckpointError, match=r"rank_00000\.1\.bin"):
-        b.checkpointer(ckpt_dir).restore(step=1)
-    assert all(torch.equal(before[k], v) for k, v in b.model.state_dict().items())
-    for t in _ours("unbroken-read") + _ours("unbroken-fp"):
-        t.join(timeout=30)
-    assert not [t.name for t in _ours("unbroken-read") + _ours("unbroken-fp") if t.is_alive()]
