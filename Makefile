@@ -62,7 +62,9 @@ clean:
 # object_store.py (S3 on loopback vs local disk) and peers.py (ours, DCP, torch.save and
 # torch-checkpointing side by side). peers.py needs the bench extra, installed with
 # torch pinned so that pip never swaps the torch CI tests. Smoke tests: each script's
-# --quick.
+# --quick. save_restore.py keeps its figures in docs/benchmarks.json: after editing the
+# hand-written analysis (benchmarks/analysis.md), `$(PY) benchmarks/save_restore.py
+# --render docs/benchmarks.json --write-docs` renders its part of the page again.
 STAMP_BENCH := $(VENV)/.installed-bench
 
 $(STAMP_BENCH): $(STAMP) pyproject.toml
@@ -71,7 +73,7 @@ $(STAMP_BENCH): $(STAMP) pyproject.toml
 
 .PHONY: bench
 bench: $(STAMP_BENCH)
-	$(PY) benchmarks/save_restore.py --write-docs
+	$(PY) benchmarks/save_restore.py --write-docs --results docs/benchmarks.json
 	$(PY) benchmarks/async_overhead.py --batch 1 --write-docs
 	$(PY) benchmarks/object_store.py --write-docs
 	$(PY) benchmarks/peers.py --write-docs

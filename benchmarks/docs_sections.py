@@ -10,6 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+# Why targets are missed, by hand: one heading per topic, spliced into DOCS by
+# save_restore.py; every script's report names the heading that explains a miss.
+ANALYSIS = Path(__file__).with_name("analysis.md")
 OTHERS = "<!-- Sections below belong to other benchmarks"
 OTHERS_LINE = (
     f"{OTHERS} (object_store.py, async_overhead.py, peers.py); "
@@ -42,3 +45,16 @@ def replace_section(name: str, section: str, path: Path = DOCS) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def analysis_headings(path: Path = ANALYSIS) -> set[str]:
+    """The headings of the hand-written analysis (without their ``#``), or none."""
+    text = path.read_text(encoding="utf-8") if path.is_file() else ""
+    return {line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")}
+
+
+def why(topic: str, headings: set[str]) -> str:
+    """Where the analysis explains ``topic``, or that it does not yet."""
+    if topic in headings:
+        return f"Why: *{topic}* in the analysis (benchmarks/analysis.md)."
+    return "Why: not analysed yet."

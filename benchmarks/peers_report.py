@@ -8,6 +8,7 @@ import dataclasses
 import statistics
 
 from common import table
+from docs_sections import analysis_headings, why
 from peers_contenders import RESTORE_LABELS
 
 BASELINE = {"sync": "ours", "async": "ours_overlap"}  # what "x ours" divides by
@@ -143,6 +144,9 @@ def _restore_table(r: Result, notes: list[str]) -> str:
     return table(headers, rows)
 
 
+PEERS_TOPIC = "Peers side by side"  # the heading of analysis.md that says why ours is behind
+
+
 def behind(r: Result) -> list[str]:
     """Every figure where a peer's median beats ours' (of the same kind), by how much
     (memory: by more than 8 MB and 2% of the state, below which it is Python objects)."""
@@ -233,6 +237,8 @@ def render(results: list[Result], info: dict[str, str], elapsed: float, *, markd
         lines = behind(r)
         out.append(f"\nWhere ours is behind ({head}, from the medians):")
         out += [f"- {x}" for x in lines] or ["- nowhere"]
+        if lines:
+            out.append(f"- {why(PEERS_TOPIC, analysis_headings())}")
     out.append("\nNotes:")
     out += [f"- {n}" for n in FOOTNOTES]
     return "\n".join(out)

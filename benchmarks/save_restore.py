@@ -5,6 +5,9 @@
     python benchmarks/save_restore.py --quick          # a tiny state, 1 run: a smoke test
     python benchmarks/save_restore.py --write-docs     # also regenerate docs/benchmarks.md
     python benchmarks/save_restore.py --sizes 1200 --profile   # where ours spends time
+    python benchmarks/save_restore.py --write-docs --results run.json  # keep the figures
+    python benchmarks/save_restore.py --render run.json --write-docs   # re-render them
+                                                                       # (analysis.md edited)
 
 For each size, in one run: (a) the disk floor (plain writes + fsync, cold reads),
 (b) torch.save + fsync and torch.load + load_state_dict, (c) raw DCP through
@@ -196,8 +199,12 @@ class Bench:
         return [
             Case("floor_read", "(a) cold read into existing tensors",
                  lambda: paths.read_raw(self._targets, raw), self._cold("raw.bin")),
+            # Built fresh objects first, as the restores into fresh objects do: a resumed
+            # process has built its model before it reads, and this VM's first touch of
+            # memory depends on what was freed and built just before (docs/benchmarks.md).
             Case("floor_read_new", "(a) cold read into new tensors",
-                 lambda: paths.read_raw_new(self.tensors, raw), self._cold("raw.bin")),
+                 lambda: paths.read_raw_new(self.tensors, raw), self._fresh_objects("raw.bin"),
+                 fresh.clear),
             Case("torch_load", "(b) torch.load + load_state_dict, existing objects",
                  lambda: paths.torch_load(m, o, self.path("full.pt")), self._cold("full.pt")),
             Case("dcp_load", "(c) DCP load + set_state_dict, existing objects",
@@ -315,6 +322,29 @@ def bench_size(mb: float, width: int, repeats: int, tmp: str, fsdp: bool) -> Siz
     return SizeResult(mb, b.nbytes, len(b.tensors), repeats, b.rows, b.notes, fsdp_result, load)
 
 
+def measure_sizes(args: argparse.Namespace) -> tuple[list[SizeResult], dict[str, str]]:
+    """Every size's figures, and the machine and the code they were measured on."""
+    info = machine_info(args.tmpdir)
+    package = os.path.dirname(ub.__file__)
+    sources = source_digests(package)
+    info["unbroken"] = (
+        f"{ub.__version__}, revision {git_revision(str(HERE.parent))}, sources "
+        f"{combined_digest(sources)}"
+    )
+    print("machine: " + "; ".join(f"{k} {v}" for k, v in info.items()))
+    results = [
+        bench_size(mb, args.width, args.repeats, args.tmpdir, not args.no_fsdp) for mb in args.sizes
+    ]
+    now = source_digests(package)
+    changed = sorted(f for f in sources.keys() | now.keys() if sources.get(f) != now.get(f))
+    if changed:
+        info["unbroken"] += (
+            f" (WARNING: {', '.join(changed)} changed during the run; the FSDP2 workers, "
+            "started later, may have run the newer code)"
+        )
+    return results, info
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -333,6 +363,11 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="instead of the tables, cProfile ours' save and restore")  # fmt: skip
     parser.add_argument("--top", type=int, default=25, help="functions listed by --profile")
+    parser.add_argument("--results", metavar="JSON", default=None,
+                        help="also write the measured figures and the machine to JSON")  # fmt: skip
+    parser.add_argument("--render", metavar="JSON", default=None,
+                        help="measure nothing: render the figures --results wrote (with the "
+                        "analysis.md of now)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads of the single process (default: torch's; "
                         "FSDP2 ranks always use 1)")  # fmt: skip
@@ -347,29 +382,19 @@ def main() -> None:
         for mb in args.sizes:
             profiling.profile(mb, args.width, args.tmpdir, args.top)
         return
-    info = machine_info(args.tmpdir)
-    package = os.path.dirname(ub.__file__)
-    sources = source_digests(package)
-    info["unbroken"] = (
-        f"{ub.__version__}, revision {git_revision(str(HERE.parent))}, sources "
-        f"{combined_digest(sources)}"
-    )
-    print("machine: " + "; ".join(f"{k} {v}" for k, v in info.items()))
-    results = [
-        bench_size(mb, args.width, args.repeats, args.tmpdir, not args.no_fsdp) for mb in args.sizes
-    ]
-    elapsed = time.perf_counter() - started
-    now = source_digests(package)
-    changed = sorted(f for f in sources.keys() | now.keys() if sources.get(f) != now.get(f))
-    if changed:
-        info["unbroken"] += (
-            f" (WARNING: {', '.join(changed)} changed during the run; the FSDP2 workers, "
-            "started later, may have run the newer code)"
+    if args.render:
+        results, info, elapsed, command = reporting.load_results(Path(args.render))
+    else:
+        results, info = measure_sizes(args)
+        elapsed = time.perf_counter() - started
+        command = "python benchmarks/save_restore.py " + " ".join(
+            a for a in sys.argv[1:] if a not in ("--results", args.results)
         )
+        if args.results:
+            reporting.save_results(Path(args.results), results, info, elapsed, command.strip())
     text = reporting.render(results, info, elapsed, markdown=False)
     print("\n" + text)
     if args.write_docs:
-        command = "python benchmarks/save_restore.py " + " ".join(sys.argv[1:])
         docs = Path(args.write_docs)
         ours = reporting.render(results, info, elapsed, markdown=True, command=command.strip())
         docs.write_text(ours.rstrip("\n") + "\n\n" + below_marker(docs))
