@@ -55,7 +55,7 @@ test-all: test test-torch2.14
 clean:
 	rm -rf $(VENV) $(VENV_NEXT) build *.egg-info src/*.egg-info
 
-# Benchmarks (about 30 minutes on 2 idle cores); each script rewrites its own part of
+# Benchmarks (20-30 minutes on 2 idle cores); each script rewrites its own part of
 # docs/benchmarks.md (benchmarks/docs_sections.py): save_restore.py (ours vs the disk,
 # torch.save and raw DCP at 0.3, 1.2 and 3 GB, 2-rank FSDP2, the issue 15 targets and
 # the cost per GB), async_overhead.py (training blocked per async_save mode),
