@@ -53,7 +53,7 @@ def analysis_headings(path: Path = ANALYSIS) -> set[str]:
     return {line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")}
 
 
-def why(topic: str, headings: set[str]) -> str:
+def why_missed(topic: str, headings: set[str]) -> str:
     """Where the analysis explains ``topic``, or that it does not yet."""
     if topic in headings:
         return f"Why: *{topic}* in the analysis (benchmarks/analysis.md)."

@@ -8,7 +8,7 @@ import dataclasses
 import statistics
 
 from common import table
-from docs_sections import analysis_headings, why
+from docs_sections import analysis_headings, why_missed
 from peers_contenders import RESTORE_LABELS
 
 BASELINE = {"sync": "ours", "async": "ours_overlap"}  # what "x ours" divides by
@@ -225,6 +225,7 @@ def render(results: list[Result], info: dict[str, str], elapsed: float, *, markd
                    f"Seconds: median (min-max) of the rounds; {elapsed / 60:.1f} minutes in "
                    "all.\n")  # fmt: skip
         out += [f"- {k}: {v}" for k, v in info.items()]
+    headings = analysis_headings()
     for r in results:
         notes: list[str] = []
         head = f"{r.nbytes / 1e9:.2f} GB, {r.repeats} round{'s' if r.repeats > 1 else ''}"
@@ -238,7 +239,7 @@ def render(results: list[Result], info: dict[str, str], elapsed: float, *, markd
         out.append(f"\nWhere ours is behind ({head}, from the medians):")
         out += [f"- {x}" for x in lines] or ["- nowhere"]
         if lines:
-            out.append(f"- {why(PEERS_TOPIC, analysis_headings())}")
+            out.append(f"- {why_missed(PEERS_TOPIC, headings)}")
     out.append("\nNotes:")
     out += [f"- {n}" for n in FOOTNOTES]
     return "\n".join(out)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from common import Measurement, table
-from docs_sections import ANALYSIS, analysis_headings, why
+from docs_sections import ANALYSIS, analysis_headings, why_missed
 
 
 @dataclasses.dataclass
@@ -359,16 +359,14 @@ def linearity_table(results: list[SizeResult]) -> str:
     )
 
 
-def _fsdp_median(f: dict[str, Any], name: str) -> float | None:
-    case = f.get("cases", {}).get(name)
-    if case is None or case["error"] is not None or not case["times"]:
-        return None
-    return statistics.median(case["times"])
-
-
 def _fsdp_times(f: dict[str, Any], name: str) -> list[float] | None:
     case = f.get("cases", {}).get(name)
     return case["times"] if case is not None and case["error"] is None else None
+
+
+def _fsdp_median(f: dict[str, Any], name: str) -> float | None:
+    times = _fsdp_times(f, name)
+    return statistics.median(times) if times else None
 
 
 def fsdp_targets(r: SizeResult) -> list[Target]:
@@ -430,7 +428,7 @@ def misses(results: list[SizeResult], headings: set[str]) -> str:
             seen = f" {t.evidence[:1].upper()}{t.evidence[1:]}." if t.evidence else ""
             lines.append(
                 f"- {size_text(r.nbytes)}, {t.name}: {t.shown}, wanted {t.wanted} ({status})."
-                f"{seen} {why(TOPICS[t.topic], headings)}"
+                f"{seen} {why_missed(TOPICS[t.topic], headings)}"
             )
     if not lines:
         return "Every target was met in this run."

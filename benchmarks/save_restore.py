@@ -345,6 +345,20 @@ def measure_sizes(args: argparse.Namespace) -> tuple[list[SizeResult], dict[str,
     return results, info
 
 
+def _without_results(argv: list[str]) -> list[str]:
+    """The command line as the page shows it: ``--results`` only says where the figures
+    went (``--results PATH`` or ``--results=PATH``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--results":
+            skip = True
+        elif not a.startswith("--results="):
+            out.append(a)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -387,9 +401,7 @@ def main() -> None:
     else:
         results, info = measure_sizes(args)
         elapsed = time.perf_counter() - started
-        command = "python benchmarks/save_restore.py " + " ".join(
-            a for a in sys.argv[1:] if a not in ("--results", args.results)
-        )
+        command = "python benchmarks/save_restore.py " + " ".join(_without_results(sys.argv[1:]))
         if args.results:
             reporting.save_results(Path(args.results), results, info, elapsed, command.strip())
     text = reporting.render(results, info, elapsed, markdown=False)
