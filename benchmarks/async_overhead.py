@@ -30,8 +30,9 @@ from torch import nn
 
 import paths
 import unbroken as ub
-from common import build_state, git_revision, machine_info, state_bytes, state_tensors, table
-from docs_sections import replace_section
+from common import build_state, git_revision, machine_info, state_bytes, state_tensors
+from docs_sections import ASYNC, ROOT
+from report import Report, inline, ratio, table
 
 MODES: list[bool | str] = [False, True, "overlap"]
 
@@ -113,8 +114,8 @@ def _fmt(times: list[float]) -> str:
     return f"{statistics.median(times):.4f} ({min(times):.4f})"
 
 
-def _ratio(times: list[float], copy: float) -> str:
-    return f"{statistics.median(times) / copy:.2f}x" if times else "-"
+def _over(times: list[float], copy: float) -> str:
+    return ratio(statistics.median(times) if times else None, copy)
 
 
 def main() -> None:
@@ -126,11 +127,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="rows per training step")
     parser.add_argument("--repeats", type=int, default=5, help="rounds per mode (>= 5)")
     parser.add_argument("--quick", action="store_true", help="a 4 MB state, 2 rounds")
-    parser.add_argument("--markdown", action="store_true", help="also print the docs section")
-    parser.add_argument("--write-docs", action="store_true",
-                        help="replace the async section of docs/benchmarks.md")  # fmt: skip
     parser.add_argument("--tmpdir", default=tempfile.gettempdir())
+    Report.add_options(parser, ASYNC)
     args = parser.parse_args()
+    out = Report.from_args(args, ASYNC)
     if args.quick:
         args.mb, args.width, args.batch, args.repeats = 4.0, 256, 8, 2
 
@@ -163,21 +163,14 @@ def main() -> None:
     for mode, r in results.items():
         total = [b + w for b, w in zip(r["blocked"], r["wait"], strict=True)]
         rows.append([f"`{mode!r}`", _fmt(r["blocked"]), _fmt(r["wait"]),
-                     _ratio(r["blocked"], copy), _ratio(total, copy), _fmt(r["first"]),
+                     _over(r["blocked"], copy), _over(total, copy), _fmt(r["first"]),
                      _fmt(r["writing"]), _fmt(r["committed"])])  # fmt: skip
     rows.append(["(no save)", "-", "-", "-", "-", _fmt(plain), _fmt(plain), "-"])
     rows.append(
         ["one copy into preallocated memory", _fmt(copies), "-", "1.00x", "-", "-", "-", "-"]
     )
     text = table(headers, rows)
-    print("\n" + text)
-    if args.markdown or args.write_docs:
-        section = _markdown(args, info, nbytes, text, results["overlap"], copy)
-        if args.markdown:
-            print("\n" + section)
-        if args.write_docs:
-            replace_section("async", section)
-            print("\nwrote the async section of docs/benchmarks.md")
+    out.publish(text, lambda: _markdown(args, info, nbytes, text, results["overlap"], copy))
 
 
 READING = """\
@@ -197,7 +190,7 @@ def _markdown(args, info: dict, nbytes: int, text: str, overlap: dict, copy: flo
     blocked = statistics.median(overlap["blocked"])
     ratio = blocked / copy if copy else float("inf")
     verdict = "met" if ratio <= 0.05 else f"missed by {ratio / 0.05 - 1:.0%}"
-    machine = "; ".join(f"{k} {v}" for k, v in info.items())
+    machine = inline(info)
     return (
         f"## Training blocked by a save: `async_save` modes, {nbytes / 1e9:.2f} GB "
         f"(issue 15, item 3)\n\n"
@@ -210,7 +203,7 @@ def _markdown(args, info: dict, nbytes: int, text: str, overlap: dict, copy: flo
         "Linear(2048, 2048) layers; the yardstick is one copy of the state into "
         "preallocated memory, measured in the same run. Median of the rounds (min), after "
         f"one warm-up save per mode. Machine: {machine}; revision "
-        f"{git_revision(str(Path(__file__).resolve().parent.parent))}.\n\n"
+        f"{git_revision(str(ROOT))}.\n\n"
         f'Target (item 3): training blocked <= 0.05x one copy. `"overlap"`: '
         f"{blocked * 1000:.1f} ms = {ratio:.3f}x: **{verdict}**.\n\n{text}\n\n{READING}"
     )

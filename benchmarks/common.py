@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: a training state of a given size, timing, tables."""
+"""Shared pieces of the benchmarks: a training state of a given size, timing, memory,
+and the machine it all runs on (tables and reports: ``report.py``)."""
 
 from __future__ import annotations
 
@@ -323,17 +324,6 @@ def machine() -> str:
         f"{os.cpu_count()} cores ({cpu}), {mem:.0f} GiB RAM, Python "
         f"{platform.python_version()}, torch {torch.__version__}"
     )
-
-
-def table(headers: list[str], rows: list[list[str]]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
-    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"
-    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    body = [
-        "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
-        for r in rows
-    ]
-    return "\n".join([line, sep, *body])
 
 
 def rotated(items: list, shift: int) -> list:

@@ -1,15 +1,21 @@
-"""docs/benchmarks.md is written by several scripts: each owns its part.
+"""The docs pages the benchmarks write, and which part of them each script owns.
 
-``save_restore.py --write-docs`` rewrites everything above the ``OTHERS`` marker line and
-keeps everything below it; each other script owns one section below the marker, between
-``<!-- NAME:start -->`` and ``<!-- NAME:end -->``, and replaces only that.
+docs/benchmarks.md is written by several scripts: ``save_restore.py --write-docs``
+rewrites everything above the ``OTHERS`` marker line and keeps everything below it
+(:class:`Top`); each other script owns one section below the marker, between
+``<!-- NAME:start -->`` and ``<!-- NAME:end -->``, and replaces only that
+(:class:`Section`). ``health_check.py`` owns all of docs/health-check.md (:class:`Page`).
+``report.Report`` puts a script's markdown into its part.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Protocol
 
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs" / "benchmarks.md"
 # Why targets are missed, by hand: one heading per topic, spliced into DOCS by
 # save_restore.py; every script's report names the heading that explains a miss.
 ANALYSIS = Path(__file__).with_name("analysis.md")
@@ -18,6 +24,68 @@ OTHERS_LINE = (
     f"{OTHERS} (object_store.py, async_overhead.py, peers.py); "
     "save_restore.py --write-docs keeps them. -->"
 )
+
+
+class DocsPart(Protocol):
+    """The part of a docs page one script owns."""
+
+    @property
+    def path(self) -> Path:
+        """The page it is in, unless the script is told another one."""
+
+    def put(self, markdown: str, page: Path) -> None:
+        """Replace this part of ``page`` with ``markdown``, keeping the rest."""
+
+    def describe(self, page: Path) -> str:
+        """This part of ``page``, in words."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Top:
+    """Everything above the ``OTHERS`` marker line (save_restore.py)."""
+
+    path: Path = DOCS
+
+    def put(self, markdown: str, page: Path) -> None:
+        page.write_text(markdown.rstrip("\n") + "\n\n" + below_marker(page))
+
+    def describe(self, page: Path) -> str:
+        return f"{page} (above the other benchmarks' sections)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One section below the ``OTHERS`` marker line, between its own markers."""
+
+    name: str
+    path: Path = DOCS
+
+    def put(self, markdown: str, page: Path) -> None:
+        replace_section(self.name, markdown, page)
+
+    def describe(self, page: Path) -> str:
+        return f"the {self.name} section of {page}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+    """A whole page."""
+
+    path: Path
+
+    def put(self, markdown: str, page: Path) -> None:
+        page.write_text(markdown, encoding="utf-8")
+
+    def describe(self, page: Path) -> str:
+        return str(page)
+
+
+# Who owns what.
+SAVE_RESTORE = Top()
+OBJECT_STORE = Section("object-store")
+ASYNC = Section("async")
+PEERS = Section("peers")
+HEALTH = Page(ROOT / "docs" / "health-check.md")
 
 
 def below_marker(path: Path = DOCS) -> str:

@@ -159,7 +159,7 @@ def main() -> None:
     # Round-robin, like the single-process cases: each round's restores read its saves.
     cases = [
         Case("ours save", lambda: ckpt.save(next(steps)),
-             on_rank0(lambda: [paths.clear(p) for p in Path(ours).glob("step_*")])),
+             on_rank0(lambda: paths.clear_steps(ours))),
         Case("raw DCP save (thread_count=1)", lambda: paths.dcp_save(model, opt, raw, 1),
              on_rank0(lambda: paths.clear(raw))),
         Case("ours restore, fresh objects", lambda: paths.ours_restore(ours, *fresh),

@@ -33,9 +33,11 @@ from pathlib import Path
 
 import torch
 
-import reporting_health
+import health_report
 import unbroken as ub
+from docs_sections import HEALTH
 from health_scripts import BUGS, SCRIPTS, Progress, Script
+from report import Report
 from unbroken.checkpointer import METRICS_WINDOW
 from unbroken.proof import monitor
 from unbroken.proof.monitor import HORIZON, JUDGED, HealthCheck
@@ -252,8 +254,11 @@ def main() -> int:
     parser.add_argument("--cuts", type=int, default=CUTS, help="cut points per script and bug")
     parser.add_argument("--save-series", type=Path, help="write the recorded series here")
     parser.add_argument("--from-series", type=Path, help="judge series saved earlier")
-    parser.add_argument("--write-docs", action="store_true", help="regenerate the docs page")
+    Report.add_options(parser, HEALTH)
     args = parser.parse_args()
+    if args.write_docs and (args.quick or args.from_series):
+        parser.error("--write-docs needs a full measurement (not --quick or --from-series)")
+    out = Report.from_args(args, HEALTH)
     torch.set_num_threads(1)
     logging.getLogger("unbroken").setLevel(logging.ERROR)  # the warnings are counted instead
     started = time.perf_counter()
@@ -272,17 +277,13 @@ def main() -> int:
     if args.save_series:
         _save(recordings, args.save_series)
     rates = measure(recordings)
-    print(reporting_health.tables(rates, recordings, BUGS))
-    if args.write_docs:
-        if args.quick or args.from_series:
-            print("--write-docs needs a full measurement (not --quick or --from-series)")
-            return 2
-        constants = {name: getattr(monitor, name) for name in MONITOR_CONSTANTS}
-        constants.update(first_cut=FIRST_CUT, cuts=args.cuts, window=METRICS_WINDOW)
-        path = reporting_health.write_docs(
-            rates, recordings, time.perf_counter() - started, constants, BUGS
-        )
-        print(f"wrote {path}")
+    constants = {name: getattr(monitor, name) for name in MONITOR_CONSTANTS}
+    constants.update(first_cut=FIRST_CUT, cuts=args.cuts, window=METRICS_WINDOW)
+    seconds = time.perf_counter() - started
+    out.publish(
+        health_report.tables(rates, recordings, BUGS),
+        lambda: health_report.page(rates, recordings, seconds, constants, BUGS),
+    )
     print(f"({time.perf_counter() - started:.0f} s)")
     return 0
 

@@ -36,9 +36,9 @@ from common import (  # noqa: E402
     git_revision,
     machine_info,
     state_bytes,
-    table,
 )
-from docs_sections import replace_section  # noqa: E402
+from docs_sections import OBJECT_STORE  # noqa: E402
+from report import Report, bullets, median_span, ratio, table  # noqa: E402
 
 
 def _free_port() -> int:
@@ -139,15 +139,13 @@ def render(results: dict[str, list[float]], nbytes: int, repeats: int, load: flo
     for name, times in results.items():
         med = statistics.median(times)
         kind = "save" if "save" in name or "pipe" in name else "restore"  # the ratio's base
-        size, ratio = nbytes, f"{med / base[kind]:.2f}x"
+        size, x_local = nbytes, ratio(med, base[kind])
         if name.startswith("moto:"):
-            size, ratio = 16 << 20, "-"
-        rows.append([name, f"{med:.3f}", f"{min(times):.3f}-{max(times):.3f}",
-                     f"{size / med / 1e9:.2f}", ratio])  # fmt: skip
+            size, x_local = 16 << 20, "-"
+        rows.append([name, *median_span(times), f"{size / med / 1e9:.2f}", x_local])
     info = machine_info(tempfile.gettempdir())
     import unbroken
 
-    machine = "\n".join(f"- {k}: {v}" for k, v in info.items())
     return "\n".join([
         f"## Object store (S3 API on loopback) vs local disk, {nbytes / 1e9:.2f} GB, "
         f"median of {repeats} runs",
@@ -161,7 +159,7 @@ def render(results: dict[str, list[float]], nbytes: int, repeats: int, load: flo
         "page cache. "
         "*x local* divides by our own save (or restore) to local disk in the same run.",
         "",
-        machine,
+        *bullets(info),
         f"- unbroken: {unbroken.__version__}, revision {git_revision(str(HERE.parent))}",
         f"- other processes' CPU use meanwhile (average busy cores): {load:.2f}",
         f"- parts: {os.environ.get('UNBROKEN_STORE_PART_MB', '32')} MiB, "
@@ -175,13 +173,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=300)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--write-docs", action="store_true")
+    Report.add_options(parser, OBJECT_STORE, markdown=False)  # what it prints is markdown
     args = parser.parse_args()
+    out = Report.from_args(args, OBJECT_STORE)
     results, nbytes, load = measure(args.mb, args.repeats)
     section = render(results, nbytes, args.repeats, load)
-    print(section)
-    if args.write_docs:
-        replace_section("object-store", section)
+    out.publish(section, lambda: section)
 
 
 if __name__ == "__main__":

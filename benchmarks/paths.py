@@ -47,6 +47,12 @@ def clear(path: str | os.PathLike) -> None:
     os.sync()
 
 
+def clear_steps(folder: str | os.PathLike) -> None:
+    """Remove every step a checkpointer saved in ``folder`` (untimed setup, as ``clear``)."""
+    for p in Path(folder).glob("step_*"):
+        clear(p)
+
+
 # (a) the disk floor ------------------------------------------------------------------
 
 

@@ -53,9 +53,10 @@ from common import (
     rss,
     state_bytes,
 )
-from docs_sections import DOCS, replace_section
+from docs_sections import PEERS
 from peers_contenders import CONTENDERS, RESTORE_FROM, Contender, import_library, restore
 from peers_report import Result
+from report import Report, inline, shown_command
 
 HERE = Path(__file__).resolve().parent
 QUICK_MB, QUICK_WIDTH = 4.0, 256
@@ -286,9 +287,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2048, help="Linear layer width")
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke test: a {QUICK_MB:g} MB state, 1 round")  # fmt: skip
-    parser.add_argument("--markdown", action="store_true", help="also print the docs section")
-    parser.add_argument("--write-docs", nargs="?", const=str(DOCS), default=None,
-                        metavar="PATH", help="put the section in docs/benchmarks.md")  # fmt: skip
+    Report.add_options(parser, PEERS)
     parser.add_argument("--tmpdir", default=tempfile.gettempdir(),
                         help="where the temporary checkpoints go (one disk for all)")  # fmt: skip
     # The fresh-process restore (internal): python peers.py --restore-worker FAMILY ...
@@ -297,6 +296,7 @@ def main() -> None:
     parser.add_argument("--mb", type=float, help=argparse.SUPPRESS)
     parser.add_argument("--digest", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    out = Report.from_args(args, PEERS)
     if args.restore_worker:
         restore_worker(args)
         return
@@ -307,18 +307,14 @@ def main() -> None:
     info = machine_info(args.tmpdir)
     info["unbroken"] = f"{ub.__version__}, revision {git_revision(str(HERE.parent))}"
     info["torch-checkpointing"] = peers_report.tc_version()
-    print("machine: " + "; ".join(f"{k} {v}" for k, v in info.items()), flush=True)
+    print("machine: " + inline(info), flush=True)
     results = [bench_size(mb, args.width, args.repeats, args.tmpdir) for mb in args.sizes]
     elapsed = time.perf_counter() - started
-    print("\n" + peers_report.render(results, info, elapsed, markdown=False))
-    if args.markdown or args.write_docs:
-        command = ("python benchmarks/peers.py " + " ".join(sys.argv[1:])).strip()
-        section = peers_report.render(results, info, elapsed, markdown=True, command=command)
-        if args.markdown:
-            print("\n" + section)
-        if args.write_docs:
-            replace_section("peers", section, Path(args.write_docs))
-            print(f"\nwrote {args.write_docs}")
+    command = shown_command("peers.py", sys.argv[1:])
+    out.publish(
+        peers_report.render(results, info, elapsed, markdown=False),
+        lambda: peers_report.render(results, info, elapsed, markdown=True, command=command),
+    )
 
 
 if __name__ == "__main__":

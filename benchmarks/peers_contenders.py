@@ -85,8 +85,7 @@ class Contender:
 
     def clear(self) -> None:
         """Untimed, before each save: remove the previous checkpoint."""
-        for p in self.dir.glob("step_*"):
-            paths.clear(p)
+        paths.clear_steps(self.dir)
 
     def save(self) -> Timing:
         self.step += 1

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import paths
 import unbroken as ub
-from common import build_state, drop_page_cache, fresh_like, state_bytes, table
+from common import build_state, drop_page_cache, fresh_like, state_bytes
+from report import table
 
 
 class ThreadProfiles:
@@ -108,21 +109,19 @@ def report(profiles: ThreadProfiles, wall: float, top: int) -> str:
     return "\n".join(parts)
 
 
-def profile(mb: float, width: int, tmp: str, top: int) -> None:
-    """Profile ours' save, restore into fresh objects and into existing ones (cold)."""
+def profile(mb: float, width: int, tmp: str, top: int) -> str:
+    """Profile ours' save, restore into fresh objects and into existing ones (cold): the
+    tables of each (:func:`report`)."""
     model, opt = build_state(mb, width)
     nbytes = state_bytes(model, opt)
     root = Path(tempfile.mkdtemp(prefix="ub-profile-", dir=tmp))
     d = str(root / "ours")
     steps = iter(range(1, 1_000_000))
     fresh: list = []
+    out = []
     try:
         ckpt = ub.Checkpointer(d, model=model, optimizer=opt, keep_last=None)
         ckpt.save(next(steps))  # warm-up: first-call costs are not what we are after
-
-        def clear_steps() -> None:
-            for p in Path(d).glob("step_*"):
-                paths.clear(p)
 
         def fresh_objects() -> None:
             fresh.clear()
@@ -130,7 +129,8 @@ def profile(mb: float, width: int, tmp: str, top: int) -> None:
             drop_page_cache([d])
 
         cases: list[tuple[str, Callable[[], object], Callable[[], object]]] = [
-            ("save (sync)", lambda: ckpt.save(next(steps)), clear_steps),
+            ("save (sync)", lambda: ckpt.save(next(steps)),
+             lambda: paths.clear_steps(d)),
             ("restore, fresh objects", lambda: paths.ours_restore(d, *fresh), fresh_objects),
             ("restore, existing objects", lambda: paths.ours_restore(d, model, opt),
              lambda: drop_page_cache([d])),
@@ -145,11 +145,11 @@ def profile(mb: float, width: int, tmp: str, top: int) -> None:
                 start = time.perf_counter()
                 fn()
                 wall = time.perf_counter() - start
-            print(
-                f"\n== cProfile of ours, {name}: {nbytes / 1e9:.2f} GB; {plain:.3f} s "
-                f"unprofiled, {wall:.3f} s under the profiler"
+            out.append(
+                f"== cProfile of ours, {name}: {nbytes / 1e9:.2f} GB; {plain:.3f} s "
+                f"unprofiled, {wall:.3f} s under the profiler\n{report(profiles, wall, top)}"
             )
-            print(report(profiles, wall, top))
         ckpt.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    return "\n\n".join(out)

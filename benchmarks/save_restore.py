@@ -38,7 +38,7 @@ from torch import nn
 
 import paths
 import profiling
-import reporting
+import save_restore_report
 import unbroken as ub
 from common import (
     Measurement,
@@ -56,8 +56,9 @@ from common import (
     state_bytes,
     state_tensors,
 )
-from docs_sections import DOCS, below_marker
-from reporting import Row, SizeResult
+from docs_sections import SAVE_RESTORE
+from report import Report, inline, shown_command
+from save_restore_figures import Row, SizeResult, load_results, save_results
 from verification_cost import checksum_all, fingerprint_all
 
 HERE = Path(__file__).resolve().parent
@@ -174,11 +175,6 @@ class Bench:
         m, o, t = self.model, self.opt, self.tensors
         steps = iter(range(1, 1_000_000))
         ours = self.path("ours")
-
-        def clear_steps() -> None:
-            for p in Path(ours).glob("step_*"):
-                paths.clear(p)
-
         return [
             Case("floor_write", "(a) write + fsync",
                  lambda: paths.write_raw(t, self.path("raw.bin")), self._clear("raw.bin")),
@@ -189,7 +185,7 @@ class Bench:
             Case("dcp_save_2", "(c) DCP save, thread_count=2",
                  lambda: paths.dcp_save(m, o, self.path("dcp2"), 2), self._clear("dcp2")),
             Case("ours_save", "(d) ours: save (sync, verified)",
-                 lambda: ckpt.save(next(steps)), clear_steps),
+                 lambda: ckpt.save(next(steps)), lambda: paths.clear_steps(ours)),
         ]  # fmt: skip
 
     def _restore_cases(self) -> list[Case]:
@@ -259,12 +255,8 @@ class Bench:
             if not paths.wait_committed(ckpt, step, timeout):
                 raise RuntimeError(f"step {step} was not committed within {timeout:.0f} s")
 
-        def clear_steps() -> None:
-            for p in Path(d).glob("step_*"):
-                paths.clear(p)
-
         first = Case("async_first", "(d) ours: async save, first call, blocked",
-                     save_until_committed, clear_steps)  # fmt: skip
+                     save_until_committed, lambda: paths.clear_steps(d))  # fmt: skip
         first.run_once()
         self.rows["async_first"] = (
             Row(first.label, Measurement(self._blocked[:1], first.peak))
@@ -274,7 +266,7 @@ class Bench:
         self._blocked.clear()
         return [
             Case("async_commit", "(d) ours: async save, until committed",
-                 save_until_committed, clear_steps)
+                 save_until_committed, lambda: paths.clear_steps(d))
         ]  # fmt: skip
 
 
@@ -331,7 +323,7 @@ def measure_sizes(args: argparse.Namespace) -> tuple[list[SizeResult], dict[str,
         f"{ub.__version__}, revision {git_revision(str(HERE.parent))}, sources "
         f"{combined_digest(sources)}"
     )
-    print("machine: " + "; ".join(f"{k} {v}" for k, v in info.items()))
+    print("machine: " + inline(info))
     results = [
         bench_size(mb, args.width, args.repeats, args.tmpdir, not args.no_fsdp) for mb in args.sizes
     ]
@@ -345,20 +337,6 @@ def measure_sizes(args: argparse.Namespace) -> tuple[list[SizeResult], dict[str,
     return results, info
 
 
-def _without_results(argv: list[str]) -> list[str]:
-    """The command line as the page shows it: ``--results`` only says where the figures
-    went (``--results PATH`` or ``--results=PATH``)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--results":
-            skip = True
-        elif not a.startswith("--results="):
-            out.append(a)
-    return out
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -370,8 +348,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"smoke test: a {QUICK_MB:g} MB state, 1 run of each")  # fmt: skip
     parser.add_argument("--no-fsdp", action="store_true", help="skip the 2-rank FSDP2 part")
-    parser.add_argument("--write-docs", nargs="?", const=str(DOCS), default=None, metavar="PATH",
-                        help=f"write the results as markdown (default {DOCS})")  # fmt: skip
+    Report.add_options(parser, SAVE_RESTORE)
     parser.add_argument("--tmpdir", default=tempfile.gettempdir(),
                         help="where the temporary checkpoints go (one disk for all)")  # fmt: skip
     parser.add_argument("--profile", action="store_true",
@@ -386,6 +363,7 @@ def main() -> None:
                         help="torch intra-op threads of the single process (default: torch's; "
                         "FSDP2 ranks always use 1)")  # fmt: skip
     args = parser.parse_args()
+    out = Report.from_args(args, SAVE_RESTORE)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
@@ -393,24 +371,24 @@ def main() -> None:
 
     started = time.perf_counter()
     if args.profile:
-        for mb in args.sizes:
-            profiling.profile(mb, args.width, args.tmpdir, args.top)
+        out.publish(
+            "\n\n".join(
+                profiling.profile(mb, args.width, args.tmpdir, args.top) for mb in args.sizes
+            )
+        )
         return
     if args.render:
-        results, info, elapsed, command = reporting.load_results(Path(args.render))
+        results, info, elapsed, command = load_results(Path(args.render))
     else:
         results, info = measure_sizes(args)
         elapsed = time.perf_counter() - started
-        command = "python benchmarks/save_restore.py " + " ".join(_without_results(sys.argv[1:]))
+        command = shown_command("save_restore.py", sys.argv[1:])
         if args.results:
-            reporting.save_results(Path(args.results), results, info, elapsed, command.strip())
-    text = reporting.render(results, info, elapsed, markdown=False)
-    print("\n" + text)
-    if args.write_docs:
-        docs = Path(args.write_docs)
-        ours = reporting.render(results, info, elapsed, markdown=True, command=command.strip())
-        docs.write_text(ours.rstrip("\n") + "\n\n" + below_marker(docs))
-        print(f"\nwrote {args.write_docs}")
+            save_results(Path(args.results), results, info, elapsed, command)
+    out.publish(
+        save_restore_report.render(results, info, elapsed, markdown=False),
+        lambda: save_restore_report.render(results, info, elapsed, markdown=True, command=command),
+    )
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ check compares every call against a recorded step. Run it under an older revisio
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 
@@ -20,7 +19,8 @@ import torch
 from torch import nn
 
 import unbroken as ub
-from common import machine, table
+from common import machine
+from report import Report, median_span, table
 
 
 def _per_call(calls: int, tensors: bool, replaying: bool) -> float:
@@ -56,16 +56,12 @@ def main() -> None:
     for tensors in (False, True):
         for replaying in (False, True):
             runs = [_per_call(args.calls, tensors, replaying) for _ in range(args.repeats)]
-            rows.append(
-                [
-                    "0-d tensors" if tensors else "floats",
-                    "resumed, replay check comparing" if replaying else "fresh run",
-                    f"{statistics.median(runs):.1f}",
-                    f"{min(runs):.1f}-{max(runs):.1f}",
-                ]
-            )
-    print(machine())
-    print(table(["metrics", "run", "us per call (median)", "min-max"], rows))
+            kind = "0-d tensors" if tensors else "floats"
+            run = "resumed, replay check comparing" if replaying else "fresh run"
+            rows.append([kind, run, *median_span(runs, digits=1)])
+    Report().publish(
+        machine() + "\n" + table(["metrics", "run", "us per call (median)", "min-max"], rows)
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ from common import (
     measure,
     state_bytes,
     state_tensors,
-    table,
 )
+from report import Report, median_span, table
 from unbroken.format import fingerprint
 
 
@@ -87,17 +87,11 @@ def main() -> None:
         ("xxh3-128 checksums, all tensors", costs["checksums"], "save"),
     ]:
         of = f"{m.median / save.median:.0%} of save, {m.median / restored.median:.0%} of restore"
-        rows.append(
-            [
-                name,
-                f"{m.median:.3f}",
-                f"{m.low:.3f}-{m.high:.3f}",
-                f"{gb / m.median:.2f}",
-                of if share else "",
-            ]
-        )
-    print(f"state: {gb:.2f} GB; machine: {machine()}; median of {args.repeats}")
-    print(table(["what", "median s", "min-max s", "GB/s", "share"], rows))
+        rows.append([name, *median_span(m.times), f"{gb / m.median:.2f}", of if share else ""])
+    Report().publish(
+        f"state: {gb:.2f} GB; machine: {machine()}; median of {args.repeats}\n"
+        + table(["what", "median s", "min-max s", "GB/s", "share"], rows)
+    )
 
 
 if __name__ == "__main__":

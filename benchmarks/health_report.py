@@ -1,16 +1,15 @@
-"""Tables and the markdown page of ``health_check.py`` (docs/health-check.md)."""
+"""The report of ``health_check.py``: its tables, and the page docs/health-check.md."""
 
 from __future__ import annotations
 
 import itertools
 import statistics
-from pathlib import Path
 from typing import Any
 
-from common import git_revision, machine_info, table
+from common import git_revision, machine_info
+from docs_sections import ROOT
+from report import table
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs" / "health-check.md"
 TARGET_FALSE_ALARMS = 0.01  # at most, of exact resumes
 TARGET_CAUGHT = 0.90  # at least, of optimizer resets, within HORIZON steps
 
@@ -143,8 +142,8 @@ def _totals(rates, case: str, check: str) -> tuple[int, int]:
     return sum(r.alarms for r in picked), sum(r.cuts for r in picked)
 
 
-def write_docs(rates, recordings, seconds: float, constants: dict[str, Any], bugs) -> Path:
-    """Regenerate docs/health-check.md from this measurement."""
+def page(rates, recordings, seconds: float, constants: dict[str, Any], bugs) -> str:
+    """docs/health-check.md, from this measurement."""
     fa, fa_of = _totals(rates, "exact", "metrics")
     exact_full = [w for r in recordings for w, _ in r.checkpointer.get("exact", {}).values()]
     full_fa, full_fa_of = sum(map(from_watch, exact_full)), len(exact_full)
@@ -164,7 +163,7 @@ def write_docs(rates, recordings, seconds: float, constants: dict[str, Any], bug
     )
     replayed = all(r.replayed_exactly for r in recordings if r.checkpointer)
     info = machine_info("/tmp")
-    text = TEMPLATE.format(
+    return TEMPLATE.format(
         seconds=seconds / 60,
         revision=git_revision(str(ROOT)),
         machine=f"{info['cpu']}, torch {info['torch']}, {info['date']}",
@@ -187,8 +186,6 @@ def write_docs(rates, recordings, seconds: float, constants: dict[str, Any], bug
         or "- none",
         **constants,
     )
-    DOCS.write_text(text, encoding="utf-8")
-    return DOCS
 
 
 TEMPLATE = """\
