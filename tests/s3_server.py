@@ -30,7 +30,7 @@ ENV = {
 
 def forget_clients() -> None:
     """Drop cached S3 clients (they keep the endpoint they were made with)."""
-    from unbroken.format import remote
+    from unbroken.storage import store as remote
 
     remote._stores.clear()
     with contextlib.suppress(ImportError):

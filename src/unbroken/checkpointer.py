@@ -15,7 +15,6 @@ from torch import nn
 
 from .core import background, branching, collective, resuming, retention, saving
 from .errors import CheckpointError
-from .format.storage import CheckpointDir
 from .live import probe
 from .live.components import as_step, build_components
 from .live.optimizer import OptimizerComponent
@@ -24,6 +23,7 @@ from .proof.metrics import MetricLog
 from .proof.monitor import HealthCheck, check_metric_names
 from .proof.replay_check import ReplayCheck, ReplayVerdict
 from .report import RestoreReport
+from .storage.locate import checkpoint_dir
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Checkpointer:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
         if probe is not None and not callable(probe):
             raise TypeError(f"probe must be callable(model), got {type(probe).__name__}")
-        self._dir = CheckpointDir(path)
+        self._dir = checkpoint_dir(path)
         self._model = model
         self._probe = probe
         self._keep_last = keep_last

@@ -20,13 +20,12 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .format.remote import RemotePath, location
-from .format.storage import CheckpointDir
 from .live.stopping import STOP_AT_ENV
 from .proof.metrics import read_series
 from .proof.plotting import plot_resume_test
 from .proof.replay import ResumeTestResult, compare
 from .proof.runs import Command, RunFailed, run
+from .storage.locate import checkpoint_dir, location
 
 
 def resume_test(
@@ -61,13 +60,12 @@ def resume_test(
         raise ValueError(f"stop_at must be >= 1, got {stop_at}")
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
-    base = work if store is None else location(store)
+    base = location(work if store is None else store)
     straight, resumed = base / "straight", base / "resumed"
     for d in (straight, resumed):
-        if isinstance(d, RemotePath) and d.exists():
-            raise ValueError(f"{d} is not empty: give resume_test a fresh store prefix")
-        if isinstance(d, Path) and d.exists() and any(d.iterdir()):
-            raise ValueError(f"{d} is not empty: give resume_test a fresh workdir")
+        if d.exists() and (d.remote or any(d.iterdir())):
+            what = "store prefix" if d.remote else "workdir"
+            raise ValueError(f"{d} is not empty: give resume_test a fresh {what}")
     base_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != STOP_AT_ENV}
     first_runs = [
         (straight, base_env, work / "straight.log"),
@@ -81,7 +79,7 @@ def resume_test(
     else:
         for args in first_runs:
             run(command, *args, timeout)
-    if CheckpointDir(resumed).steps()[-1:] != [stop_at]:
+    if checkpoint_dir(resumed).steps()[-1:] != [stop_at]:
         raise RunFailed(
             f"the stopped run did not commit a checkpoint at step {stop_at} (see "
             f"{work / 'stopped.log'}); does the script call ckpt.should_stop(step) and save?"

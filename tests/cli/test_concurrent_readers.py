@@ -11,7 +11,9 @@ import pytest
 
 from cli.conftest import run_cli
 from conftest import Problem
-from unbroken.format import manifest, storage
+from unbroken.format import manifest
+from unbroken.storage.locate import checkpoint_dir
+from unbroken.storage.names import folder_step
 
 
 def _job(root, steps, keep_last):
@@ -53,7 +55,7 @@ def test_verify_while_the_job_prunes_the_step_being_read(tmp_path, monkeypatch, 
     args = ["verify", root, *(["--all"] if every else [])]
     result = run_cli(*args)
     assert result.exit_code == 0, result.stdout + result.stderr
-    assert not storage.CheckpointDir(root).step_path(storage.folder_step(seen[0])).exists()
+    assert not checkpoint_dir(root).step_path(folder_step(seen[0])).exists()
     verified = [line.split()[2] for line in result.stdout.splitlines() if line.startswith("OK")]
     assert verified == (["3"] if not every else ["2", "3"]), result.stdout
     ckpt.close()
@@ -64,7 +66,7 @@ def test_inspect_while_the_job_prunes_a_listed_step(tmp_path, monkeypatch):
     the step is not shown as DAMAGED, and no traceback."""
     root = tmp_path / "run"
     _, ckpt = _job(root, [1, 2, 3], keep_last=None)
-    _on_first_manifest_read(monkeypatch, lambda folder: storage.CheckpointDir(root).remove(1))
+    _on_first_manifest_read(monkeypatch, lambda folder: checkpoint_dir(root).remove(1))
     result = run_cli("inspect", root)
     assert result.exit_code == 0, result.stdout + result.stderr
     assert "DAMAGED" not in result.stdout, result.stdout

@@ -16,7 +16,8 @@ import pytest
 
 import unbroken as ub
 from conftest import Problem, assert_same_training_state
-from unbroken.format import shards, storage
+from unbroken.format import shards
+from unbroken.storage.locate import checkpoint_dir
 
 
 def _saved(ckpt_dir, steps, seed=0, **kwargs) -> tuple[Problem, ub.Checkpointer]:
@@ -111,7 +112,7 @@ def test_an_older_step_pruned_while_being_restored_is_not_reported_damaged(ckpt_
     expected = Problem()
     for _ in range(2):
         expected.step()
-    _on_first_read(monkeypatch, lambda: storage.CheckpointDir(ckpt_dir).remove(3))
+    _on_first_read(monkeypatch, lambda: checkpoint_dir(ckpt_dir).remove(3))
     q = Problem(seed=9)
     report = q.checkpointer(ckpt_dir).restore()
     assert (report.step, report.warnings) == (2, [])

@@ -19,9 +19,9 @@ import pytest
 
 import unbroken as ub
 from conftest import Problem, assert_same_training_state
-from unbroken.format import storage
 from unbroken.proof.metrics import FILE as METRICS
 from unbroken.proof.metrics import read_series
+from unbroken.storage import local_dir
 
 FULL = OSError(errno.ENOSPC, "No space left on device")
 
@@ -48,7 +48,7 @@ class DiskFull:
         self.root, self.at, self.match, self.count, self.hit = root, at, match, 0, ""
         real_open, real_os_open, real_fsync = builtins.open, os.open, os.fsync
         real_mkdir, real_rename = os.mkdir, os.rename
-        exchanges = getattr(storage, "filesystem", None)  # the atomic exchange of a re-save
+        exchanges = local_dir.posix  # the atomic exchange of a re-save
 
         def fail(path) -> None:
             if not _under(root, path):

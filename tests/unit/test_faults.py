@@ -14,7 +14,8 @@ import torch
 
 import unbroken as ub
 from conftest import Problem
-from unbroken.format import manifest, shard_writer, shards, storage
+from unbroken.format import manifest, shard_writer, shards
+from unbroken.storage.locate import checkpoint_dir
 
 
 def _saved(ckpt_dir, steps=(1,)) -> Problem:
@@ -111,7 +112,7 @@ def test_a_second_saver_gets_a_clear_error_and_corrupts_nothing(ckpt_dir):
     rival = p.checkpointer(ckpt_dir)
     rival.restore()  # the same run continues (a new run could not save here)
     busy = pytest.raises(ub.CheckpointError, match=r"another save into .* is in progress")
-    with storage.CheckpointDir(ckpt_dir).save_lock(), busy:  # another job is mid-save
+    with checkpoint_dir(ckpt_dir).save_lock(), busy:  # another job is mid-save
         rival.save(2)
     assert rival.steps() == [1]
     rival.save(2)  # once the other is done, saving works
@@ -121,7 +122,7 @@ def test_a_second_saver_gets_a_clear_error_and_corrupts_nothing(ckpt_dir):
 def test_a_restore_does_not_clean_a_partial_save_in_progress(ckpt_dir):
     _saved(ckpt_dir)
     partial = ckpt_dir / f".partial-step_00000002-{uuid.uuid4().hex[:12]}"
-    with storage.CheckpointDir(ckpt_dir).save_lock():
+    with checkpoint_dir(ckpt_dir).save_lock():
         partial.mkdir()
         assert Problem().checkpointer(ckpt_dir).restore().step == 1
         assert partial.exists()  # the saver still owns it

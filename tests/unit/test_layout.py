@@ -1,13 +1,16 @@
-"""The package layout stays true: lower folders never import higher ones (docs/architecture.md).
+"""The package layout stays true (docs/architecture.md): lower folders never import higher
+ones, no modules import each other in a circle, and no module uses another module's
+private (``_``) names.
 
-Each module's imports of ``unbroken`` (at any depth, including inside functions) are parsed
-and checked against the table below; a failure names the module, the line and the import.
+Each module's imports of ``unbroken`` (at any depth: inside functions and under
+``TYPE_CHECKING`` too) are parsed; a failure names the module, the line and the import.
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,19 +21,30 @@ import unbroken.testing
 PACKAGE = Path(unbroken.__file__).parent
 
 # unit -> the units it may import (besides itself). A unit is a top-level module or folder.
-LEAVES = {"errors": set(), "_version": set(), "report": set()}
+LEAVES = {"errors": set(), "_version": set(), "report": set(), "env": set()}
 ALLOWED: dict[str, set[str]] = {
     **LEAVES,
-    "format": {"errors"},
+    "storage": {"errors", "env"},
+    "format": {"storage", "errors", "env"},
     "live": {"format", "errors"},
-    "core": {"live", "format", "errors", "report", "_version"},
-    "proof": {"live", "format", "errors"},
-    "checkpointer": {"core", "live", "format", "proof", "errors", "report"},
-    "testing": {"proof", "live", "format", "errors"},
-    "tools": {"checkpointer", "core", "live", "format", "proof", "errors", "report", "_version"},
-    "integrations": {"checkpointer", "core", "live", "format", "proof", "errors", "report"},
-    "cli": {"tools", "testing", "checkpointer", "core", "live", "format", "proof"} | set(LEAVES),
-    "__init__": {"checkpointer", "errors", "report", "_version"},
+    "core": {"live", "format", "storage", "errors", "report", "env", "_version"},
+    "proof": {"core", "live", "format", "storage", "errors", "env"},
+    "checkpointer": {"core", "live", "format", "storage", "proof", "errors", "report"},
+    "testing": {"proof", "live", "format", "storage", "errors"},
+    "tools": {"checkpointer", "core", "live", "format", "storage", "proof"} | set(LEAVES),
+    "integrations": {
+        "checkpointer",
+        "core",
+        "live",
+        "format",
+        "storage",
+        "proof",
+        "errors",
+        "report",
+    },
+    "cli": {"tools", "testing", "checkpointer", "core", "live", "format", "storage", "proof"}
+    | set(LEAVES),
+    "__init__": {"checkpointer", "tools", "errors", "report", "_version"},
 }
 MAX_LINES = 400
 
@@ -91,8 +105,109 @@ def layout_violations() -> list[str]:
     return problems
 
 
+def _our_imports(path: Path) -> Iterator[tuple[int, tuple[str, ...], str | None, str]]:
+    """(line, module of ours imported, the name taken from it or None, the name bound
+    here) for every import in ``path``; ``from pkg import mod`` reaches ``pkg.mod``."""
+    known = {_module_path(p) for p in _modules()}
+    module = _module_path(path)
+    package = module if path.name == "__init__.py" else module[:-1]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "unbroken":
+                    yield node.lineno, tuple(parts[1:]), None, alias.asname or parts[0]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                target = base + tuple(node.module.split(".") if node.module else ())
+            elif node.module and node.module.split(".")[0] == "unbroken":
+                target = tuple(node.module.split(".")[1:])
+            else:
+                continue
+            for alias in node.names:
+                bound = alias.asname or alias.name
+                if (*target, alias.name) in known:
+                    yield node.lineno, (*target, alias.name), None, bound
+                else:
+                    yield node.lineno, target, alias.name, bound
+
+
+def _name(module: tuple[str, ...]) -> str:
+    return ".".join(("unbroken", *module))
+
+
+def circles() -> list[list[str]]:
+    """Every set of modules that import each other in a loop (strongly connected
+    components of the import graph), each as sorted module names."""
+    graph = {
+        _module_path(p): {m for _, m, _, _ in _our_imports(p) if m != _module_path(p)}
+        for p in _modules()
+    }
+    order: dict[tuple[str, ...], int] = {}
+    low: dict[tuple[str, ...], int] = {}
+    stack: list[tuple[str, ...]] = []
+    found = []
+
+    def visit(v: tuple[str, ...]) -> None:  # Tarjan's algorithm
+        order[v] = low[v] = len(order)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in order:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], order[w])
+        if low[v] == order[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(_name(m) for m in group))
+
+    for v in graph:
+        if v not in order:
+            visit(v)
+    return sorted(found)
+
+
+def private_uses() -> list[str]:
+    """Every use of another module's private name: ``from mod import _x``, or ``mod._x``
+    where ``mod`` is a module of ours imported here."""
+    problems = []
+    for path in _modules():
+        here = _module_path(path)
+        rel = path.relative_to(PACKAGE.parent)
+        modules = {}
+        for line, module, name, bound in _our_imports(path):
+            if name is None:
+                modules[bound] = module
+            elif module != here and name.startswith("_") and not name.startswith("__"):
+                problems.append(f"{rel}:{line}: imports {name} from {_name(module)}")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in modules
+                and modules[node.value.id] != here
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                used = _name(modules[node.value.id])
+                problems.append(f"{rel}:{node.lineno}: uses {node.attr} of {used}")
+    return problems
+
+
 def test_lower_folders_never_import_higher_ones():
     assert layout_violations() == []
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert circles() == []
+
+
+def test_no_module_uses_another_modules_private_names():
+    assert private_uses() == []
 
 
 def test_the_rule_catches_an_offending_import(tmp_path, monkeypatch):
@@ -107,6 +222,28 @@ def test_the_rule_catches_an_offending_import(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     assert layout_violations() == [
         "unbroken/format/bad.py:2: `from ..core import saving` (format may not import core)"
+    ]
+
+
+def test_the_circle_and_private_rules_catch_offenders(tmp_path, monkeypatch):
+    """The checkers can fail: two modules importing each other (one inside a function, one
+    under TYPE_CHECKING) are a circle; a private name imported or used is named."""
+    fake = tmp_path / "unbroken"
+    (fake / "storage").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "storage" / "__init__.py").write_text("")
+    (fake / "storage" / "a.py").write_text(
+        "def f():\n    from .b import _helper\n    return _helper\n"
+    )
+    (fake / "storage" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n"
+        "def _helper():\n    return a._cache\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
+    assert circles() == [["unbroken.storage.a", "unbroken.storage.b"]]
+    assert private_uses() == [
+        "unbroken/storage/a.py:2: imports _helper from unbroken.storage.b",
+        "unbroken/storage/b.py:5: uses _cache of unbroken.storage.a",
     ]
 
 

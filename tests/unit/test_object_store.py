@@ -1,6 +1,6 @@
 """Checkpoints on an object store, through fsspec's in-process ``memory://`` file system.
 
-Fast unit tests of the remote back-end's commit protocol (format/remote_dir.py): the
+Fast unit tests of the remote back-end's commit protocol (storage/store_dir.py): the
 manifest is written last and only a step with a manifest is listed; a save that fails
 before its manifest leaves nothing listed and removes its own objects; two saves of
 one step cannot both commit; retention unlists (manifest first) before deleting; damage
@@ -19,8 +19,8 @@ import torch
 
 import unbroken as ub
 from conftest import Problem, assert_same_training_state
-from unbroken.format import remote_dir, remote_io
-from unbroken.format.storage import CheckpointDir
+from unbroken.storage import store_dir, store_io
+from unbroken.storage.locate import checkpoint_dir
 
 
 @pytest.fixture
@@ -59,7 +59,7 @@ def test_layout_manifest_and_save_named_shard(url):
     _trained().checkpointer(url).save(2)
     names = _objects(url)
     assert names[0] == "step_00000002/manifest.json"
-    assert len(names) == 2 and remote_dir.shard_save_id(names[1].split("/")[1]) is not None
+    assert len(names) == 2 and store_dir.shard_save_id(names[1].split("/")[1]) is not None
 
 
 def test_failed_commit_lists_nothing_and_removes_its_objects(url, monkeypatch):
@@ -73,7 +73,7 @@ def test_failed_commit_lists_nothing_and_removes_its_objects(url, monkeypatch):
     def refuse(self, final, step, data):
         raise ub.CheckpointError("injected: the manifest write failed")
 
-    monkeypatch.setattr(remote_dir.RemoteCheckpointDir, "_put_manifest", refuse)
+    monkeypatch.setattr(store_dir.StoreCheckpointDir, "_put_manifest", refuse)
     with pytest.raises(ub.CheckpointError, match="injected"):
         ckpt.save(2)
     assert ckpt.steps() == [1]
@@ -88,10 +88,10 @@ def test_upload_without_manifest_is_never_listed_and_cleaned_when_stale(url, mon
     fs, root = fsspec.core.url_to_fs(url)
     fs.pipe_file(f"{root}/step_00000002/rank_00000-0123456789ab.bin", b"x" * 100)
     fs.pipe_file(f"{root}/step_00000001/rank_00000-ba9876543210.bin", b"y")  # a loser's
-    ckdir = CheckpointDir(url)
+    ckdir = checkpoint_dir(url)
     assert ckdir.steps() == [1] and ckdir.steps_without_manifest() == []
     assert ckdir.clean_leftovers() == []  # young: maybe a save still uploading
-    monkeypatch.setenv(remote_dir.STALE_ENV, "0")
+    monkeypatch.setenv(store_dir.STALE_ENV, "0")
     removed = ckdir.clean_leftovers()
     assert sorted(removed) == [
         "step_00000001/rank_00000-ba9876543210.bin",
@@ -111,15 +111,15 @@ def test_two_saves_of_one_step_cannot_both_commit(url, monkeypatch):
     ckpt_w.save(1)
     ckpt_l = loser.checkpointer(url)
     ckpt_l.restore(reset={"model", "optimizer", "scheduler", "rng"})  # takes the prefix over
-    real = remote_dir.RemoteCheckpointDir._put_manifest
+    real = store_dir.StoreCheckpointDir._put_manifest
 
     def race(self, final, step, data):  # the winner commits step 2 first
-        monkeypatch.setattr(remote_dir.RemoteCheckpointDir, "_put_manifest", real)
+        monkeypatch.setattr(store_dir.StoreCheckpointDir, "_put_manifest", real)
         winner.step()
         ckpt_w.save(2)
         return real(self, final, step, data)
 
-    monkeypatch.setattr(remote_dir.RemoteCheckpointDir, "_put_manifest", race)
+    monkeypatch.setattr(store_dir.StoreCheckpointDir, "_put_manifest", race)
     with pytest.raises(ub.CheckpointError, match="another save committed step 2"):
         ckpt_l.save(2)
     step2 = [n for n in _objects(url) if n.startswith("step_00000002/")]
@@ -133,7 +133,7 @@ def test_retention_unlists_before_deleting(url, monkeypatch):
     """Guarantee: retention deletes an old checkpoint's manifest (unlisting it) before
     any of its other objects, and deletes all of them."""
     deleted: list[str] = []
-    from unbroken.format import remote
+    from unbroken.storage import store as remote
 
     real = remote.Store.delete
 
@@ -171,7 +171,7 @@ def test_resave_replaces_and_branch_retires(url):
     ckpt_r.restore(step=1)
     r.step()
     ckpt_r.save(3)  # the first save after resuming from 1 retires step 2
-    ckdir = CheckpointDir(url)
+    ckdir = checkpoint_dir(url)
     assert ckdir.steps() == [1, 3]
     assert [s for s, _ in ckdir.retired()] == [2]
 
@@ -215,7 +215,7 @@ def test_parts_are_views_unless_they_span_segments():
     a = torch.arange(40, dtype=torch.uint8)
     b = torch.arange(100, 110, dtype=torch.uint8)
     segs = [memoryview(a.numpy()), memoryview(b.numpy())]
-    parts = list(remote_io._parts(segs, 16))
+    parts = list(store_io._parts(segs, 16))
     assert [len(x) for x in parts] == [16, 16, 16, 2]
     assert parts[0].obj is segs[0].obj  # a view of the tensor's memory, not a copy
     assert b"".join(bytes(x) for x in parts) == bytes(segs[0]) + bytes(segs[1])
@@ -247,7 +247,7 @@ def test_async_save_commits_in_the_background(url):
     ckpt = a.checkpointer(url, async_save=True)
     ckpt.save(2)
     ckpt.close()  # waits for the upload and the commit
-    assert CheckpointDir(url).steps() == [2]
+    assert checkpoint_dir(url).steps() == [2]
     b = Problem(seed=7)
     assert b.checkpointer(url).restore().verified
     assert_same_training_state(a, b)

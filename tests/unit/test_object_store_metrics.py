@@ -18,8 +18,8 @@ import torch
 
 from conftest import Problem
 from unbroken.errors import CheckpointError
-from unbroken.format.remote import Store
 from unbroken.proof.metrics import read_series, record_lines
+from unbroken.storage.store import Store
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import torch
 
 import unbroken as ub
 from s3_server import FaultProxy, S3Server
-from unbroken.format.storage import CheckpointDir
+from unbroken.storage.locate import checkpoint_dir
 
 TESTS = str(Path(__file__).resolve().parents[1])
 
@@ -100,7 +100,7 @@ KILLED = textwrap.dedent(
     import os, sys
     sys.path.insert(0, {tests!r}); sys.path.insert(0, {here!r})
     from test_object_store_s3 import Big
-    from unbroken.format import remote
+    from unbroken.storage import store as remote
     a = Big(0)
     a.step()
     ckpt = a.checkpointer({url!r})
@@ -125,7 +125,7 @@ def test_kill_during_upload_lists_nothing_and_is_cleaned(server, s3, monkeypatch
     code = KILLED.format(tests=TESTS, here=str(Path(__file__).parent), url=s3)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 9, done.stderr[-2000:]
-    assert CheckpointDir(s3).steps() == [1]
+    assert checkpoint_dir(s3).steps() == [1]
     assert not any(k.startswith("step_00000002") for k in _keys(server, s3))
     assert _uploads(server, s3)  # the killed upload is still open on the server
     expected = Big(0)
@@ -136,7 +136,7 @@ def test_kill_during_upload_lists_nothing_and_is_cleaned(server, s3, monkeypatch
     monkeypatch.setenv("UNBROKEN_STALE_UPLOAD_S", "0")
     ckpt.save(2)
     assert _uploads(server, s3) == []
-    assert CheckpointDir(s3).steps() == [1, 2]
+    assert checkpoint_dir(s3).steps() == [1, 2]
 
 
 @pytest.mark.parametrize("fault", ["503", "slowdown", "drop"])
@@ -186,7 +186,7 @@ def test_persistent_errors_fail_naming_the_object(server, s3, monkeypatch):
         proxy.stop()
     assert proxy.injected == 3
     assert _keys(server, s3) == before and _uploads(server, s3) == []
-    assert CheckpointDir(s3).steps() == [1]
+    assert checkpoint_dir(s3).steps() == [1]
 
 
 def test_conditional_write_refuses_a_second_commit(server, s3):
@@ -194,7 +194,7 @@ def test_conditional_write_refuses_a_second_commit(server, s3):
     second one), so two saves of one step cannot both commit on S3."""
     a = Big(0)
     a.checkpointer(s3).save(1)
-    store = CheckpointDir(s3).store
+    store = checkpoint_dir(s3).store
     key = s3.removeprefix("s3://") + "/step_00000001/manifest.json"
     with pytest.raises(FileExistsError):
         store.put(key, b"{}", create=True)

@@ -132,20 +132,21 @@ def _read_detail(path: Path, step: int | None) -> tuple[Path, dict[str, Any], An
     """The folder meant, its manifest and the optimizer's coverage. Located again if a
     concurrent save prunes or re-saves it while it is read (not damage)."""
     from ..errors import CheckpointError
-    from ..format import filesystem, manifest
+    from ..format import manifest
     from ..format.tensor_reader import TensorReader
+    from ..storage.interface import vanished
     from ..tools.coverage import optimizer_coverage
     from ..tools.inspection import locate
 
     for _ in range(MAX_RELISTS):
         folder = locate(path, step)
-        seen = filesystem.identity(folder)
+        seen = folder.identity()
         try:
             doc = manifest.read(folder)
             with TensorReader(folder, doc) as reader:
                 return folder, doc, optimizer_coverage(doc, read=reader.read)
         except CheckpointError:
-            if not filesystem.vanished(folder, seen):
+            if not vanished(folder, seen):
                 raise
     raise CheckpointError(f"{path} changed faster than it could be read")
 

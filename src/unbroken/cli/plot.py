@@ -34,9 +34,9 @@ def plot_command(
     out: Annotated[Path | None, typer.Option("--out", help="PNG to write.")] = None,
     as_json: JsonOption = False,
 ) -> None:
-    from ..format.remote import RemotePath, location
     from ..proof.metrics import record_lines, record_name, series_from_lines
     from ..proof.plotting import plot_series
+    from ..storage.locate import location
 
     with guard():
         where = location(path)
@@ -47,9 +47,7 @@ def plot_command(
                 "(call ckpt.track(step, loss=...) in the training loop)"
             )
         series = series_from_lines(lines)
-        target = out or (
-            Path("metrics.png") if isinstance(where, RemotePath) else where / "metrics.png"
-        )
+        target = out or (Path("metrics.png") if where.remote else where / "metrics.png")
         try:
             plot_series({where.name or str(where): series}, target, title=f"{where}")
         except ImportError as exc:  # matplotlib is an optional extra

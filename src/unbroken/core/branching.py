@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..format.storage import CheckpointDir
+from ..storage.interface import CheckpointDir
 from . import collective
 
 

@@ -10,22 +10,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ..format import filesystem
-from ..format.storage import CheckpointDir
+from ..storage import interface
+from ..storage.interface import CheckpointDir, Identity, Location
 from . import collective
 
 logger = logging.getLogger(__name__)
 MAX_RELISTS = 100  # how often checkpoints may vanish while one restore() reads them
 
 
-def vanished(folder: Path, seen: filesystem.Identity | None) -> bool:
-    """Whether ``folder`` stopped being the checkpoint whose ``filesystem.identity`` was
+def vanished(folder: Location, seen: Identity | None) -> bool:
+    """Whether ``folder`` stopped being the checkpoint whose ``identity()`` was
     ``seen`` (taken before reading it): pruned, retired or re-saved by a concurrent save.
     Its read errors are then no damage: list the steps again. Rank 0 decides for all."""
-    return collective.from_rank0(filesystem.vanished(folder, seen))
+    return collective.from_rank0(interface.vanished(folder, seen))
 
 
 class Candidates:
@@ -63,7 +62,7 @@ class Candidates:
         self._ckdir, self._step, self._list = ckdir, step, list_steps
         self._pending = list_steps(ckdir, step)
         self._current: int | None = None
-        self._seen: filesystem.Identity | None = None
+        self._seen: Identity | None = None
         self._damaged: set[int] = set()
         self._relists = 0
 
@@ -73,7 +72,7 @@ class Candidates:
     def __iter__(self) -> Iterator[int]:
         while self._pending:
             self._current = self._pending.pop(0)
-            self._seen = filesystem.identity(self._ckdir.step_path(self._current))
+            self._seen = self._ckdir.step_path(self._current).identity()
             yield self._current
 
     def relisted(self) -> bool:

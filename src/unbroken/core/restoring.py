@@ -6,7 +6,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,28 +19,23 @@ from ..errors import (
     IncompleteCheckpointError,
     StateMismatchError,
 )
-from ..format import files, manifest, schema, tree
-from ..format.remote import RemotePath
+from ..format import manifest, schema, tree
 from ..format.shards import ChunkLocation, ShardReader, quiet_single_process
 from ..live import exchange, probe, snapshot
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, live_tensors
 from ..report import RestoreReport
+from ..storage.interface import Location
 from . import collective, verify
 from .saving import component_prefix, unwrap
 
 logger = logging.getLogger(__name__)
 
 
-def ckdir_remote(folder: Any) -> bool:
-    """Whether ``folder`` is on an object store (a ``RemotePath``)."""
-    return isinstance(folder, RemotePath)
-
-
-def check_folder(folder: Path) -> dict[str, Any]:
+def check_folder(folder: Location) -> dict[str, Any]:
     """Read and validate a committed checkpoint's manifest and the files it lists.
 
-    The rules are :mod:`unbroken.format.files`'s, which ``unbroken verify`` applies too.
+    The rules are storage's (``Location.problems``), which ``unbroken verify`` applies too.
 
     Raises:
         CorruptCheckpointError: naming the file that is missing, resized, sparse, a
@@ -60,9 +54,9 @@ def check_folder(folder: Path) -> dict[str, Any]:
         ) from None
 
 
-def _check_folder(folder: Path) -> dict[str, Any]:
+def _check_folder(folder: Location) -> dict[str, Any]:
     doc = manifest.read(folder)  # refuses a linked folder or manifest
-    problems = files.problems(folder, doc["files"])
+    problems = folder.problems(doc["files"])
     if problems:
         raise CorruptCheckpointError(f"{problems[0][1]}; use an older step")
     unreferenced = schema.unreferenced(doc)
@@ -76,13 +70,13 @@ def _check_folder(folder: Path) -> dict[str, Any]:
     return doc
 
 
-def read_manifest(folder: Path) -> dict[str, Any]:
+def read_manifest(folder: Location) -> dict[str, Any]:
     """Rank 0 checks the folder (:func:`check_folder`); every rank gets the manifest."""
     return collective.on_rank0(lambda: check_folder(folder))
 
 
 def restore(
-    folder: Path,
+    folder: Location,
     doc: dict[str, Any],
     components: list[Component],
     reset: set[str],
@@ -137,8 +131,7 @@ def restore(
     assert prepared is not None
     targets, undos = prepared
     loaded = verify.LoadedFingerprints(targets, manifest.fingerprint_algorithm(doc))
-    where = folder if ckdir_remote(folder) else str(folder)
-    reader = ShardReader(where, doc["tensors"], on_loaded=loaded.loaded)
+    reader = ShardReader(folder, doc["tensors"], on_loaded=loaded.loaded)
     try:
         with quiet_single_process():
             dcp.load(

@@ -14,10 +14,11 @@ import os
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..format.storage import MANIFEST, CheckpointDir, folder_step
 from ..live import probe
 from ..live.state import Component
 from ..report import RestoreReport
+from ..storage.interface import CheckpointDir
+from ..storage.names import MANIFEST, folder_step
 from . import collective, restoring
 from .candidates import Candidates
 

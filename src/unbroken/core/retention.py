@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..format.storage import CheckpointDir
+from ..storage.interface import CheckpointDir
 from . import collective
 from .restoring import check_folder
 

@@ -12,7 +12,6 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,11 +25,11 @@ from torch.distributed.tensor import DTensor
 from .._version import __version__
 from ..errors import CheckpointError
 from ..format import fingerprint, layout, manifest, tree
-from ..format.filesystem import free_space
 from ..format.shard_writer import ShardWriter, write_files
 from ..format.shards import quiet_single_process
-from ..format.storage import CheckpointDir
 from ..live.state import Component, ModelComponent, StatefulComponent, device_kind
+from ..storage.interface import CheckpointDir, Location
+from ..storage.posix import free_space
 from . import collective, verify
 from .staging import StagingBuffers
 
@@ -167,7 +166,7 @@ def _digest(state: Any, name: str) -> str:
     return h.hexdigest()
 
 
-def write(ckdir: CheckpointDir, staged: Staged) -> Path | Any:
+def write(ckdir: CheckpointDir, staged: Staged) -> Location:
     """Write and commit a staged checkpoint; collective. Returns the committed folder.
 
     Rank 0 holds the folder's save lock throughout, cleans leftovers of crashed saves,
@@ -197,7 +196,7 @@ def write(ckdir: CheckpointDir, staged: Staged) -> Path | Any:
     return final
 
 
-def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Path:
+def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -> Location:
     request, flat = staged.request, staged.flat
     per_rank_keys = {
         k for name in staged.per_rank for k in tree.tensor_keys(staged.skeletons[name])
@@ -205,8 +204,7 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
     whole_here = per_rank_keys | (
         {k for k, t in flat.items() if not isinstance(t, DTensor)} if rank == 0 else set()
     )
-    where = partial if ckdir.remote else str(partial)
-    writer = ShardWriter(where, rank=rank, name=ckdir.shard_name(partial, rank),
+    writer = ShardWriter(partial, rank=rank, name=ckdir.shard_name(partial, rank),
                          files=write_files())  # fmt: skip
     # Fingerprints are computed while DCP writes: file I/O and torch kernels both
     # release the GIL, so the two overlap on separate cores.
@@ -234,7 +232,7 @@ def _write(ckdir: CheckpointDir, partial: Path, staged: Staged, rank: int) -> Pa
         }
     gathered = collective.gather_to_rank0(local)  # only rank 0 writes the manifest
 
-    def commit() -> Path:
+    def commit() -> Location:
         assert gathered is not None
         data = manifest.encode(partial, _manifest_body(request, staged, writer, gathered))
         return ckdir.commit(partial, request.step, retire=request.retire, manifest=data)
@@ -304,7 +302,7 @@ def _manifest_body(
     }
 
 
-def unwrap(exc: CheckpointException, doing: str, path: Path | None = None) -> BaseException:
+def unwrap(exc: CheckpointException, doing: str, path: Location | None = None) -> BaseException:
     """Turn DCP's multi-rank exception into the first underlying error, rank named
     (and, for a full disk, the free space at ``path``).
 

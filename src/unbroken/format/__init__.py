@@ -1,5 +1,5 @@
-"""What is on disk: the tree codec, shard files, the manifest, the directory layout and its
-atomic commit, fingerprints, and the safe tensor reader.
+"""What is on disk: the tree codec, shard files, the manifest and its schema, fingerprints,
+and the safe tensor reader.
 
-Imports nothing of ours but ``unbroken.errors``: everything above builds on it.
+Built on ``unbroken.storage`` (where the bytes are) and ``unbroken.errors``.
 """

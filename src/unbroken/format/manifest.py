@@ -8,23 +8,20 @@ the probe value and recent tracked metrics. ``manifest_checksum`` covers the res
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import stat
 import sys
-from pathlib import Path
 from typing import Any
 
 import torch
 import xxhash
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from . import files, fingerprint, schema
-from .filesystem import SAVE_FIX, write_synced
-from .remote import RemotePath
+from ..storage.interface import Location, TooLarge
+from ..storage.locate import location
+from ..storage.names import MANIFEST, folder_step, step_dir_name
+from . import fingerprint, schema
 from .schema import DTYPES
-from .storage import folder_step, step_dir_name
 
 FORMAT = "unbroken-checkpoint"
 FORMAT_VERSION = 1
@@ -51,24 +48,23 @@ def _digest(body: dict[str, Any]) -> str:
     return xxhash.xxh3_128_hexdigest(data.encode())
 
 
-def encode(directory: Path | RemotePath, body: dict[str, Any]) -> bytes:
+def encode(directory: Location | str | os.PathLike, body: dict[str, Any]) -> bytes:
     """The bytes of ``manifest.json`` (with its own checksum) for the checkpoint being
-    saved in ``directory``, which :meth:`CheckpointDir.commit` writes last.
+    saved in ``directory``, which ``CheckpointDir.commit`` writes last.
 
     Raises:
         CheckpointError: the manifest is larger than :func:`read` accepts beside the
             shard files written with it (too much state that is not tensors): a
             checkpoint no restore could read is never committed.
     """
+    directory = location(directory)
     doc = dict(body, format=FORMAT, format_version=FORMAT_VERSION)
     doc["manifest_checksum"] = _digest(doc)
-    path = directory / "manifest.json"
+    path = directory / MANIFEST
     data = json.dumps(_layout(doc), indent=1, allow_nan=False).encode()
-    if isinstance(directory, RemotePath):  # a store's listing holds other saves' objects
-        sizes = [rec["size"] for rec in body.get("files", {}).values()]
-        count, held = len(sizes), sum(sizes)
-    else:
-        count, held = files.shard_budget(directory)
+    # Judged as a reader will judge it, by what the files take on the medium; only the
+    # files this save wrote count (a store's prefix may hold other saves' objects too).
+    count, held = _shard_budget(directory, set(body.get("files", {})))
     if len(data) > _size_limit(count, held):
         raise CheckpointError(
             f"{path} would be {len(data)} bytes, more than readers accept beside {count} "
@@ -78,10 +74,14 @@ def encode(directory: Path | RemotePath, body: dict[str, Any]) -> bytes:
     return data
 
 
-def write(directory: Path, body: dict[str, Any]) -> None:
-    """Write ``manifest.json`` into the local folder ``directory`` and fsync it (see
-    :func:`encode`; a write error names the path and the free space)."""
-    write_synced(directory / "manifest.json", encode(directory, body), SAVE_FIX)
+def write(directory: Location | str | os.PathLike, body: dict[str, Any]) -> None:
+    """Write ``manifest.json`` into ``directory``, durably (see :func:`encode`): how a
+    manifest is sealed outside a save (an edited one, in tests and tools). A save writes
+    it through ``CheckpointDir.commit`` instead, last."""
+    directory = location(directory)
+    data = encode(directory, body)
+    with (directory / MANIFEST).create() as out:
+        out.write(data)
 
 
 def _size_limit(count: int, held: int) -> int:
@@ -120,7 +120,19 @@ def _sorted(node: Any) -> Any:
     return node
 
 
-def read(directory: Path) -> dict[str, Any]:
+def _shard_budget(directory: Location, only: set[str] | None = None) -> tuple[int, int]:
+    """(plain files other than the manifest, bytes they take on the medium) in
+    ``directory`` (of those named ``only``, if given): what a manifest's size is judged
+    against before it is parsed."""
+    sizes = [
+        f.held
+        for name, f in directory.plain_files().items()
+        if name != MANIFEST and (only is None or name in only)
+    ]
+    return len(sizes), sum(sizes)
+
+
+def read(directory: Location | str | os.PathLike) -> dict[str, Any]:
     """Read and validate a manifest (see :mod:`unbroken.format.schema`).
 
     Raises:
@@ -128,13 +140,12 @@ def read(directory: Path) -> dict[str, Any]:
             need, unparsable, altered, of an unknown format, or failing the schema
             (unsafe files, impossible tensors, malformed fields).
     """
-    path = directory / "manifest.json"
+    directory = location(directory)
+    path = directory / MANIFEST
     try:
-        files.refuse_links(directory)
-        if isinstance(directory, RemotePath):
-            text = _read_remote(path, directory)
-        else:
-            text = _read_bounded(path, directory)
+        if directory.is_link():
+            raise CorruptCheckpointError(f"{directory} is a symbolic link; checkpoints never are")
+        text = _read_bounded(path, directory)
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{path} is missing: {directory} is not a committed checkpoint (a step folder "
@@ -173,54 +184,25 @@ def read(directory: Path) -> dict[str, Any]:
     return doc
 
 
-def _read_bounded(path: Path, directory: Path) -> bytes:
+def _read_bounded(path: Location, directory: Location) -> bytes:
     """The manifest's bytes, if it is a plain file no larger than its checkpoint can
-    need (judged before parsing: see ``MANIFEST_PER_FILE``)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise CorruptCheckpointError(f"{path} is a symbolic link; checkpoints never are") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"{path} is not a regular file")
-        count, held = files.shard_budget(directory)
-        limit = _size_limit(count, held)
-        if st.st_size > limit:
-            raise CorruptCheckpointError(
-                f"{path} is {st.st_size} bytes, more than a checkpoint of {count} shard "
-                f"file(s) taking {held} bytes can need ({limit}); it was not parsed: the "
-                "checkpoint is damaged or hostile"
-            )
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise CorruptCheckpointError(f"{path} grew while it was read; it is damaged")
-    return data
-
-
-def _read_remote(path: RemotePath, directory: RemotePath) -> bytes:
-    """:func:`_read_bounded` on a store: the object's size is judged before its bytes are
-    fetched (against every object beside it: other saves' leftovers only raise the bound)."""
-    info = path.store.info(path.key)
-    if info is None:
-        raise FileNotFoundError(str(path))
-    count, held = files.shard_budget(directory)
+    need (judged before its bytes are read: see ``MANIFEST_PER_FILE``)."""
+    count, held = _shard_budget(directory)
     limit = _size_limit(count, held)
-    if info["size"] > limit:
+    try:
+        return path.read_capped(limit)
+    except TooLarge as exc:
+        if exc.size is None:
+            raise CorruptCheckpointError(f"{path} grew while it was read; it is damaged") from None
+        files = "object(s) of" if directory.remote else "file(s) taking"
         raise CorruptCheckpointError(
-            f"{path} is {info['size']} bytes, more than a checkpoint of {count} shard "
-            f"object(s) of {held} bytes can need ({limit}); it was not parsed: the "
+            f"{path} is {exc.size} bytes, more than a checkpoint of {count} shard "
+            f"{files} {held} bytes can need ({limit}); it was not parsed: the "
             "checkpoint is damaged or hostile"
-        )
-    data = path.store.read(path.key)
-    if len(data) > limit:
-        raise CorruptCheckpointError(f"{path} grew while it was read; it is damaged")
-    return data
+        ) from None
 
 
-def require_native_byteorder(directory: Path, doc: dict[str, Any]) -> None:
+def require_native_byteorder(directory: Location, doc: dict[str, Any]) -> None:
     """Raise unless the checkpoint's tensor bytes are in this machine's byte order."""
     order = doc.get("byteorder", "little")
     if order != sys.byteorder:
@@ -236,7 +218,7 @@ def fingerprint_algorithm(doc: dict[str, Any]) -> str:
     return doc.get("fingerprint_algorithm", fingerprint.V1)
 
 
-def require_known_fingerprints(directory: Path, doc: dict[str, Any]) -> None:
+def require_known_fingerprints(directory: Location, doc: dict[str, Any]) -> None:
     """Raise unless this version can recompute the checkpoint's fingerprints."""
     algorithm = fingerprint_algorithm(doc)
     if algorithm not in fingerprint.ALGORITHMS:

@@ -11,8 +11,9 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .filesystem import SAVE_FIX, writing
-from .remote import RemotePath, env_number
+from ..env import env_number
+from ..storage.interface import Location
+from ..storage.locate import location
 from .schema import MAX_FILES_PER_RANK
 from .shards import ChunkLocation, checksum, shard_file_name, tensor_bytes
 
@@ -51,8 +52,8 @@ class ShardWriter(StorageWriter):
     it. Locally a large shard is split into up to ``files`` files written in parallel
     (``rank_NNNNN.bin``, ``rank_NNNNN.1.bin``, ...): on the disks measured, two files
     written side by side finish sooner than one (docs/benchmarks.md). On an object store
-    (``directory`` a ``RemotePath``) the one object is uploaded in parallel parts straight
-    from the tensors' memory.
+    (``directory.remote``) the one object is uploaded in parallel parts straight from the
+    tensors' memory.
 
     After ``dcp.save`` returns, the coordinator's ``metadata`` holds every chunk's
     location across ranks and ``file_records`` (on each rank) this rank's files.
@@ -60,14 +61,14 @@ class ShardWriter(StorageWriter):
 
     def __init__(
         self,
-        directory: str | RemotePath,
+        directory: Location | str | os.PathLike,
         *,
         rank: int,
         name: str | None = None,
         files: int = 1,
     ) -> None:
         super().__init__()
-        self.directory = directory
+        self.directory = location(directory)
         self.rank = rank
         self.name = name or shard_file_name(rank)
         self.files = max(1, files)
@@ -75,8 +76,7 @@ class ShardWriter(StorageWriter):
         self.file_records: list[tuple[str, dict[str, object]]] = []
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id and not isinstance(self.directory, RemotePath):
-            self.directory = os.fspath(checkpoint_id)
+        pass  # the folder is fixed at construction (saves never pass a checkpoint_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         pass
@@ -93,54 +93,33 @@ class ShardWriter(StorageWriter):
                 raise TypeError(
                     f"{item.index.fqn}: only tensors go to shard files (a bug in unbroken)"
                 )
-        if isinstance(self.directory, RemotePath):
-            results = self._upload(plan.items, planner)
+        groups = [plan.items] if self.directory.remote else _split(plan.items, self.files)
+        if len(groups) == 1:
+            results = self._write_file(self.name, groups[0], planner)
         else:
-            groups = _split(plan.items, self.files)
-            if len(groups) == 1:
-                results = self._write_file(self.name, groups[0], planner)
-            else:
-                names = [self.name] + [
-                    f"{self.name.removesuffix('.bin')}.{i}.bin" for i in range(1, len(groups))
-                ]
-                with ThreadPoolExecutor(len(groups), thread_name_prefix="unbroken-write") as pool:
-                    done = list(pool.map(self._write_file, names, groups, [planner] * len(groups)))
-                results = [r for rs in done for r in rs]
+            names = [self.name] + [
+                f"{self.name.removesuffix('.bin')}.{i}.bin" for i in range(1, len(groups))
+            ]
+            with ThreadPoolExecutor(len(groups), thread_name_prefix="unbroken-write") as pool:
+                done = list(pool.map(self._write_file, names, groups, [planner] * len(groups)))
+            results = [r for rs in done for r in rs]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     def _write_file(self, name: str, items: list[Any], planner: SavePlanner) -> list[WriteResult]:
-        """Write ``items`` to one local file, checksumming each chunk; fsync it."""
-        path = os.path.join(str(self.directory), name)
+        """Write ``items`` to one file, checksumming each chunk; durable on return (a
+        local file fsynced, an object uploaded whole)."""
         results: list[WriteResult] = []
         offset = 0
-        with writing(path, "writing", SAVE_FIX), open(path, "wb") as f:
+        with (self.directory / name).create() as out:
             for item in items:
                 data = tensor_bytes(planner.resolve_data(item))
-                f.write(data)
+                out.write(data)
                 location = ChunkLocation(name, offset, len(data), checksum(data))
                 offset += len(data)
                 results.append(WriteResult(item.index, len(data), location))
-            f.flush()
-            os.fsync(f.fileno())
         self._record(name, offset, results)
-        return results
-
-    def _upload(self, items: list[Any], planner: SavePlanner) -> list[WriteResult]:
-        assert isinstance(self.directory, RemotePath)
-        path = self.directory / self.name
-        results: list[WriteResult] = []
-        segments: list[memoryview] = []  # the object is uploaded whole, in parts
-        offset = 0
-        for item in items:
-            data = tensor_bytes(planner.resolve_data(item))
-            segments.append(data)
-            location = ChunkLocation(self.name, offset, len(data), checksum(data))
-            offset += len(data)
-            results.append(WriteResult(item.index, len(data), location))
-        path.store.upload(path.key, segments)
-        self._record(self.name, offset, results)
         return results
 
     def _record(self, name: str, size: int, results: list[WriteResult]) -> None:

@@ -36,8 +36,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from ..env import env_number
 from ..errors import CorruptCheckpointError
-from .remote import RemotePath, env_number
+from ..storage.interface import Location
+from ..storage.locate import location
+from ..storage.store_io import concurrency
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,13 +157,13 @@ class ShardReader(StorageReader):
 
     def __init__(
         self,
-        directory: str | RemotePath,
+        directory: Location | str | os.PathLike,
         entries: dict[str, dict],
         *,
         on_loaded: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__()
-        self.directory = directory
+        self.directory = location(directory)
         self.metadata = metadata_from_entries(entries)
         self.entries = entries
         self.on_loaded = on_loaded
@@ -266,9 +269,7 @@ class ShardReader(StorageReader):
             target = planner.resolve_tensor(req).detach()
             if uses[req.storage_index] == 1 and self._fits_whole(req, target):
                 whole[i] = target
-        if isinstance(self.directory, RemotePath):
-            from .remote import concurrency
-
+        if self.directory.remote:
             workers = concurrency()
             groups = [[i] for i in whole]
         else:
@@ -345,8 +346,7 @@ class ShardReader(StorageReader):
         dtype = self.metadata.state_dict_metadata[index.fqn].properties.dtype
         out = into if into is not None else torch.empty(sizes, dtype=dtype)
         expected = out.numel() * out.element_size()
-        remote = isinstance(self.directory, RemotePath)
-        path = self.directory / loc.file if remote else os.path.join(self.directory, loc.file)
+        path = self.directory / loc.file
         if loc.length != expected:
             raise CorruptCheckpointError(
                 f"{path}: chunk of {index.fqn!r} is recorded as {loc.length} bytes but its "
@@ -355,14 +355,9 @@ class ShardReader(StorageReader):
         if expected:
             buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
             try:
-                if remote:
-                    got = path.store.read_into(path.key, loc.offset, buf)
-                else:
-                    if path not in opened:
-                        opened[path] = files.enter_context(open(path, "rb"))  # noqa: SIM115
-                    f = opened[path]
-                    f.seek(loc.offset)
-                    got = f.readinto(buf)
+                if loc.file not in opened:
+                    opened[loc.file] = files.enter_context(contextlib.closing(path.open_chunks()))
+                got = opened[loc.file].read_into(loc.offset, buf)
             except FileNotFoundError:
                 raise CorruptCheckpointError(
                     f"{path} is missing; this checkpoint cannot be restored, use an older step"

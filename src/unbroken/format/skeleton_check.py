@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import Any
 
-from .tree import _TAG, FACTORIES, TAG_FIELDS, SkeletonError, decode, unknown_tag
+from .tree import FACTORIES, TAG, TAG_FIELDS, SkeletonError, decode, unknown_tag
 
 
 def check(node: Any, keys: Container[str] | None, where: str = "") -> None:
@@ -20,7 +20,7 @@ def check(node: Any, keys: Container[str] | None, where: str = "") -> None:
     if isinstance(node, list):
         for i, v in enumerate(node):
             check(v, keys, f"{where}/{i}")
-    elif isinstance(node, dict) and _TAG not in node:
+    elif isinstance(node, dict) and TAG not in node:
         for k, v in node.items():
             check(v, keys, f"{where}/{k}")
     elif isinstance(node, dict):
@@ -28,11 +28,11 @@ def check(node: Any, keys: Container[str] | None, where: str = "") -> None:
 
 
 def _tagged(node: dict, keys: Container[str] | None, where: str) -> None:
-    tag = node[_TAG]
+    tag = node[TAG]
     fields = TAG_FIELDS.get(tag) if isinstance(tag, str) else None
     if fields is None:
         raise SkeletonError(f"{where or '/'}: {unknown_tag(tag)}")
-    if set(node) != {_TAG, *fields}:
+    if set(node) != {TAG, *fields}:
         raise SkeletonError(f"{where}: a {tag!r} tag has the fields {sorted(fields)}, "
                             f"not {sorted(node)}")  # fmt: skip
     if tag == "tensor":
@@ -65,7 +65,7 @@ def _key(key: Any, where: str, what: str) -> None:
     """A dict key or set member that decodes to a hashable value."""
     if key is None or isinstance(key, str | int | float):
         return
-    tag = key.get(_TAG) if isinstance(key, dict) else None
+    tag = key.get(TAG) if isinstance(key, dict) else None
     if tag in ("float", "npscalar"):
         return _tagged(key, (), where)
     items = key.get("items") if tag in ("tuple", "frozenset") and len(key) == 2 else None

@@ -9,19 +9,17 @@ checksum is checked before its bytes are used.
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Callable
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 import xxhash
 
 from ..errors import CheckpointError, CorruptCheckpointError
-from . import files
+from ..storage.interface import ChunkReader, Location
+from ..storage.locate import location
 from .manifest import DTYPES, require_native_byteorder
-from .remote import RemotePath
 
 
 class TensorReader:
@@ -44,15 +42,15 @@ class TensorReader:
 
     def __init__(
         self,
-        folder: str | Path | RemotePath,
+        folder: Location | str | os.PathLike,
         doc: dict[str, Any],
         *,
         on_bytes: Callable[[int], None] | None = None,
     ) -> None:
-        self.folder = folder if isinstance(folder, RemotePath) else Path(folder)
+        self.folder = location(folder)
         self.doc = doc
         self.on_bytes = on_bytes
-        self._files: dict[str, IO[bytes]] = {}
+        self._files: dict[str, ChunkReader] = {}
         require_native_byteorder(self.folder, doc)
 
     def __enter__(self) -> TensorReader:
@@ -104,10 +102,7 @@ class TensorReader:
             f = self._open(path, chunk["file"])
             got = 0
             while got < length:
-                if isinstance(path, RemotePath):  # parallel ranged reads
-                    n = _read_remote(path, chunk["offset"] + got, buf[got:])
-                else:
-                    n = _read_into(f, chunk["offset"] + got, buf[got:], path)
+                n = _read_into(f, chunk["offset"] + got, buf[got:], path)
                 if not n:
                     raise CorruptCheckpointError(
                         f"{path} is truncated: {key!r} needs bytes {chunk['offset']}.."
@@ -126,20 +121,17 @@ class TensorReader:
         if self.on_bytes is not None:
             self.on_bytes(length)
 
-    def _open(self, path: Path, name: str) -> IO[bytes]:
+    def _open(self, path: Location, name: str) -> ChunkReader:
         f = self._files.get(name)
         if f is None:
-            # The rules of restore (format/files.py): a plain file, never a link, of its
-            # recorded size, not sparse; checked before any memory is spent on its bytes.
+            # The rules of restore (storage: a plain file, never a link, of its recorded
+            # size, not sparse), checked before any memory is spent on its bytes.
             record = self.doc["files"].get(name)
-            why = files.file_problem(path, record["size"]) if record else f"{path} is unlisted"
+            why = path.file_problem(record["size"]) if record else f"{path} is unlisted"
             if why is not None:
                 raise CorruptCheckpointError(why)
-            if isinstance(path, RemotePath):  # read by ranges: nothing stays open
-                self._files[name] = io.BytesIO()
-                return self._files[name]
             try:
-                f = open(path, "rb", opener=_no_follow)  # noqa: SIM115 - closed in close()
+                f = path.open_chunks()
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{path} is missing") from None
             except OSError as exc:  # no permission, a link: as unusable as missing
@@ -150,23 +142,13 @@ class TensorReader:
         return f
 
 
-def _read_into(f: IO[bytes], offset: int, buf: memoryview, path: Path) -> int:
+def _read_into(f: ChunkReader, offset: int, buf: memoryview, path: Location) -> int:
     try:
-        f.seek(offset)
-        return f.readinto(buf) or 0
-    except OSError as exc:  # an I/O error: the file is as unusable as a missing one
-        raise CorruptCheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
-
-
-def _read_remote(path: RemotePath, offset: int, buf: memoryview) -> int:
-    try:
-        return path.store.read_into(path.key, offset, buf)
+        return f.read_into(offset, buf)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{path} is missing") from None
-
-
-def _no_follow(path: str, flags: int) -> int:
-    return os.open(path, flags | os.O_NOFOLLOW)
+    except OSError as exc:  # an I/O error: the file is as unusable as a missing one
+        raise CorruptCheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
 
 
 def tensor_nbytes(entry: dict[str, Any]) -> int:

@@ -27,8 +27,8 @@ from ..core import collective, resuming
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
 from ..format import tree
 from ..format.manifest import read as read_manifest
-from ..format.storage import CheckpointDir
 from ..live.rng import RNGState
+from ..storage.locate import checkpoint_dir
 
 # TrainerState fields the Trainer sets from the current run, not from a checkpoint
 # (TrainerState.init_training_references): never saved, never overwritten.
@@ -158,7 +158,7 @@ def find_resume_point(path: str | os.PathLike, step: int | None) -> ResumePoint 
         CorruptCheckpointError: no committed manifest reads.
         IncompleteCheckpointError: the checkpoint was not saved through this integration.
     """
-    ckdir = CheckpointDir(path)
+    ckdir = checkpoint_dir(path)
     steps = resuming.candidate_steps(ckdir, step)  # collective: every rank the same list
 
     def look() -> tuple[int, dict, dict] | None:

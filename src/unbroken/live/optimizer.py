@@ -18,7 +18,7 @@ from torch import nn
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
 from .fsdp1 import FSDP1Optimizer
-from .state import Component, ModelComponent, _listing, _named, empty_target
+from .state import Component, ModelComponent, empty_target, listing, named
 
 # State entries that always have their parameter's shape (torch's built-in optimizers).
 PARAM_SHAPED = frozenset(
@@ -38,7 +38,7 @@ class OptimizerComponent(Component):
 
     def __init__(self, optimizer: Any, model: ModelComponent, name: str = "optimizer") -> None:
         self.name = name
-        self.optimizers = _named(optimizer, torch.optim.Optimizer, "optimizer")
+        self.optimizers = named(optimizer, torch.optim.Optimizer, "optimizer")
         self.model = model
         self._fqn_of: dict[nn.Parameter, str] | None = None
         self._fsdp1: dict[str | None, FSDP1Optimizer] | None = None
@@ -128,14 +128,14 @@ class OptimizerComponent(Component):
                 if lacking:
                     raise IncompleteCheckpointError(
                         f"{where}, group {g}: the checkpoint has no optimizer entry for "
-                        f"parameter(s) {_listing(lacking)}; their optimizer state would start "
+                        f"parameter(s) {listing(lacking)}; their optimizer state would start "
                         "fresh silently. Pass reset={'optimizer'} to start it fresh on purpose"
                     )
                 extra = sorted(set(s) - set(live))
                 if extra:
                     raise StateMismatchError(
                         f"{where}, group {g}: the checkpoint has optimizer state for "
-                        f"{_listing(extra)}, which the live optimizer group does not hold"
+                        f"{listing(extra)}, which the live optimizer group does not hold"
                     )
 
     def targets(self, saved_keys: dict[str, dict], live: dict[str, torch.Tensor]) -> dict:

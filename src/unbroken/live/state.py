@@ -30,7 +30,8 @@ from .torch_compat import normalized_fqns
 _MAX_LISTED = 5
 
 
-def _listing(names: list[str]) -> str:
+def listing(names: list[str]) -> str:
+    """``a, b, c, d, e and 3 more``: names in a message, the first few."""
     shown = ", ".join(names[:_MAX_LISTED])
     more = len(names) - _MAX_LISTED
     return shown + (f" and {more} more" if more > 0 else "")
@@ -59,7 +60,7 @@ def empty_target(entry: dict[str, Any], like: torch.Tensor | None) -> torch.Tens
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def _named(obj: Any, kind: type | tuple[type, ...], what: str) -> dict[str | None, Any]:
+def named(obj: Any, kind: type | tuple[type, ...], what: str) -> dict[str | None, Any]:
     """Normalize ``obj`` or a dict name -> obj into {name or None: obj}."""
     if isinstance(obj, Mapping):
         for name, value in obj.items():
@@ -110,7 +111,7 @@ class ModelComponent(Component):
 
     def __init__(self, model: nn.Module | Mapping[str, nn.Module], name: str = "model") -> None:
         self.name = name
-        self.models = _named(model, nn.Module, "model")
+        self.models = named(model, nn.Module, "model")
         # FSDP1 models give their sharded state as DTensors within fsdp1.sharded_state.
         self.fsdp1 = {
             key: fsdp1.is_fsdp1(m, "model" if key is None else f"model[{key!r}]")
@@ -159,7 +160,7 @@ class ModelComponent(Component):
         for param, fqns in self.parameter_fqn_sets().items():
             if len(fqns) != 1:
                 raise CheckpointError(
-                    f"a parameter maps to {len(fqns)} FQNs ({_listing(sorted(fqns))}): an "
+                    f"a parameter maps to {len(fqns)} FQNs ({listing(sorted(fqns))}): an "
                     "FSDP1 flat parameter (use_orig_params=False); this needs one parameter "
                     "per FQN: use use_orig_params=True, FSDP2 fully_shard or the plain model"
                 )
@@ -176,14 +177,14 @@ class ModelComponent(Component):
         if missing:
             raise IncompleteCheckpointError(
                 f"the checkpoint has no saved value for {len(missing)} tensor(s) of the live "
-                f"model: {_listing(missing)}. If the model gained these on purpose, start "
+                f"model: {listing(missing)}. If the model gained these on purpose, start "
                 "from weights you convert yourself; the checkpoint does not cover them"
             )
         unknown = sorted(set(saved_keys) - set(live))
         if unknown:
             raise StateMismatchError(
                 f"the checkpoint holds {len(unknown)} tensor(s) the live model lacks: "
-                f"{_listing(unknown)}; the architecture changed since the save"
+                f"{listing(unknown)}; the architecture changed since the save"
             )
         wrong = [
             f"{key}: saved shape {tuple(entry['shape'])}, live shape {tuple(live[key].shape)}"

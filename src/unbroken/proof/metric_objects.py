@@ -25,8 +25,10 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 
+from ..env import env_number
 from ..errors import CheckpointError
-from ..format.remote import RemotePath, concurrency, env_number
+from ..storage.store_io import concurrency
+from ..storage.store_path import StorePath
 
 FOLDER = "metrics"
 INTERVAL_ENV = "UNBROKEN_STORE_METRICS_S"
@@ -49,7 +51,7 @@ class ObjectLog:
     store refuses after its retries (the lines stay pending).
     """
 
-    def __init__(self, root: RemotePath, segment: str) -> None:
+    def __init__(self, root: StorePath, segment: str) -> None:
         self.folder = root / FOLDER
         self._segment = segment
         self._pending: list[str] = []
@@ -143,7 +145,7 @@ def _upload_at_exit() -> None:
                 logger.error("tracked steps lost at exit: %s", exc)
 
 
-def object_lines(root: RemotePath) -> list[str] | None:
+def object_lines(root: StorePath) -> list[str] | None:
     """The record's lines in the order they were tracked; None if it has no object."""
     folder = root / FOLDER
     names = sorted(n for n in folder.store.listing(folder.key) if n.endswith(".jsonl"))

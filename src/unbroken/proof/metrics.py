@@ -21,14 +21,14 @@ import os
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..errors import CheckpointError
-from ..format.filesystem import free_space, writing
-from ..format.remote import RemotePath, location
+from ..storage.interface import Location
+from ..storage.locate import location
+from ..storage.posix import free_space, writing
 from .metric_objects import ObjectLog, object_lines
 
 FILE = "metrics.jsonl"
@@ -82,7 +82,7 @@ class MetricLog:
     Thread-safe: a background save may flush while the training loop tracks.
     """
 
-    def __init__(self, root: Path | RemotePath | None = None, *, world_size: int = 1) -> None:
+    def __init__(self, root: Location | None = None, *, world_size: int = 1) -> None:
         self.values: dict[int, dict[str, float]] = {}
         self.segment = uuid.uuid4().hex[:12]
         self.resumed_from: int | None = None
@@ -93,7 +93,7 @@ class MetricLog:
         self._unwritten: list[dict[str, Any] | str] = []  # lines a failed write left behind
         self._torn = False  # a failed write may have left half a line in the file
         self._header_queued = False
-        self._objects = ObjectLog(root, self.segment) if isinstance(root, RemotePath) else None
+        self._objects = ObjectLog(root, self.segment) if root is not None and root.remote else None
         # track() runs in the training loop while a background save may flush.
         self._lock = threading.Lock()
 
@@ -250,11 +250,11 @@ class Series:
         return [s for s, _ in self.values.get(name, [])]
 
 
-def record_lines(root: str | os.PathLike | RemotePath) -> list[str] | None:
+def record_lines(root: str | os.PathLike | Location) -> list[str] | None:
     """The lines of a run's metrics record, in the order tracked: ``metrics.jsonl`` in a
     local folder, the ``metrics/`` objects on a store; None if nothing was recorded."""
     where = location(root)
-    if isinstance(where, RemotePath):
+    if where.remote:
         return object_lines(where)
     path = where / FILE
     if not path.is_file():
@@ -262,13 +262,13 @@ def record_lines(root: str | os.PathLike | RemotePath) -> list[str] | None:
     return path.read_text(encoding="utf-8", errors="replace").splitlines()
 
 
-def record_name(root: str | os.PathLike | RemotePath) -> str:
+def record_name(root: str | os.PathLike | Location) -> str:
     """Where a run's metrics record is, for messages."""
     where = location(root)
-    return f"{where}/metrics/" if isinstance(where, RemotePath) else str(where / FILE)
+    return f"{where}/metrics/" if where.remote else str(where / FILE)
 
 
-def read_series(root: str | os.PathLike | RemotePath) -> Series:
+def read_series(root: str | os.PathLike | Location) -> Series:
     """The surviving timeline of every tracked metric of a run (a local checkpoint
     folder, or a store's URL)."""
     return series_from_lines(record_lines(root) or [])

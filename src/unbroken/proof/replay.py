@@ -9,8 +9,8 @@ import math
 from pathlib import Path
 
 from ..format import manifest
-from ..format.remote import RemotePath
-from ..format.storage import CheckpointDir
+from ..storage.interface import Location
+from ..storage.locate import checkpoint_dir
 from .generators import differing, label
 from .metrics import Series, read_series
 
@@ -98,7 +98,7 @@ def tolerance_text(tolerance: float) -> str:
     )
 
 
-def compare(straight: Path | RemotePath, resumed: Path | RemotePath, *, stop_at: int,
+def compare(straight: Location | Path, resumed: Location | Path, *, stop_at: int,
             exact: bool = True, tolerance: float = 0.05) -> ResumeTestResult:  # fmt: skip
     """Compare two finished runs' metrics after ``stop_at`` and their final checkpoints."""
     a, b = read_series(straight), read_series(resumed)
@@ -164,14 +164,15 @@ def _compare_series(a: Series, b: Series, stop_at: int, exact: bool, tolerance: 
     return step, first, compared, deviation
 
 
-def _final_manifests(straight: Path | RemotePath, resumed: Path | RemotePath):
+def _final_manifests(straight: Location | Path, resumed: Location | Path):
     """(the two final manifests, None), or (None, why they cannot be compared)."""
     docs = []
     for d in (straight, resumed):
-        steps = CheckpointDir(d).steps()
+        ckdir = checkpoint_dir(d)
+        steps = ckdir.steps()
         if not steps:
             return None, f"{d} has no committed checkpoint to compare"
-        docs.append(manifest.read(CheckpointDir(d).step_path(steps[-1])))
+        docs.append(manifest.read(ckdir.step_path(steps[-1])))
     a, b = docs
     if a["step"] != b["step"]:
         return None, f"final checkpoints are of different steps: {a['step']} vs {b['step']}"

@@ -18,11 +18,10 @@ import logging
 import math
 import struct
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
-from ..format.remote import RemotePath
+from ..storage.interface import Location
 from .metrics import record_lines, record_name
 
 logger = logging.getLogger(__name__)
@@ -97,7 +96,7 @@ class ReplayCheck:
     @classmethod
     def from_file(
         cls,
-        root: Path | RemotePath,
+        root: Location,
         from_step: int,
         saved_by: str | None,
         world_size: int,

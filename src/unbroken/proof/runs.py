@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..format.remote import RemotePath
+from ..storage.interface import Location
 
 Command = str | Sequence[str] | Callable[[str], object]
 
@@ -26,10 +26,10 @@ class RunFailed(CheckpointError):
     """A training run of the harness exited with an error."""
 
 
-def run(command: Command, folder: Path | RemotePath, env: dict[str, str], log: Path,
+def run(command: Command, folder: Location, env: dict[str, str], log: Path,
         timeout) -> None:  # fmt: skip
     """Run one training run with ``{dir}`` = ``folder`` (a local folder, or a URL)."""
-    if isinstance(folder, Path):
+    if not folder.remote:
         folder.mkdir(parents=True, exist_ok=True)
     if callable(command):
         _run_callable(command, str(folder), env, log, timeout)

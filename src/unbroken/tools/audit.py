@@ -22,10 +22,11 @@ from typing import Any
 import xxhash
 
 from ..errors import CheckpointError
-from ..format import files, filesystem, fingerprint, manifest, tree
-from ..format.remote import location
-from ..format.storage import MANIFEST, folder_step
+from ..format import fingerprint, manifest, tree
 from ..format.tensor_reader import TensorReader
+from ..storage.interface import vanished
+from ..storage.locate import location
+from ..storage.names import MANIFEST, folder_step
 from .coverage import optimizer_coverage
 from .inspection import component_skeletons
 
@@ -79,9 +80,9 @@ def audit(folder: str | Path, *, on_bytes: Callable[[int], None] | None = None) 
     """
     folder = location(folder)
     report = AuditReport(path=str(folder), step=folder_step(folder))
-    seen = filesystem.identity(folder)
+    seen = folder.identity()
     _audit(folder, report, on_bytes)
-    report.vanished = bool(report.failures) and filesystem.vanished(folder, seen)
+    report.vanished = bool(report.failures) and vanished(folder, seen)
     return report
 
 
@@ -147,10 +148,10 @@ def _audit(folder: Path, report: AuditReport, on_bytes: Callable[[int], None] | 
 
 
 def _check_files(folder: Path, doc: dict[str, Any], report: AuditReport) -> set[str]:
-    """The rules restore applies (format/files.py); returns the files not to read."""
+    """The rules restore applies (``Location.problems``); returns the files not to read."""
     report.files_checked += len(doc["files"])
     unread = set()
-    for name, message in files.problems(folder, doc["files"]):
+    for name, message in folder.problems(doc["files"]):
         report.fail(name, message)
         unread.add(name)
     return unread

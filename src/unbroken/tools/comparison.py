@@ -23,9 +23,9 @@ from typing import Any, Literal
 import torch
 
 from ..format import manifest
-from ..format.remote import location
 from ..format.tensor_reader import TensorReader
 from ..proof.generators import differing, label
+from ..storage.locate import location
 from .inspection import component_skeletons, tensor_components
 
 Status = Literal["equal", "values", "dtype", "shape", "only_a", "only_b"]

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint import metadata as md
 
 from ..errors import CorruptCheckpointError
-from ..format.files import allocated
+from ..storage.local_files import allocated
 
 MAX_METADATA_BYTES = 256 << 20
 _FILE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")

@@ -34,9 +34,9 @@ from .._version import __version__
 from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
 from ..format import fingerprint, manifest, tree
 from ..format.manifest import DTYPES
-from ..format.remote import location
 from ..format.shards import tensor_bytes
 from ..format.tensor_reader import TensorReader
+from ..storage.locate import location
 from .inspection import model_fqns
 from .tying import confirm, tied_weights
 

@@ -29,9 +29,9 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
-from ..format.storage import CheckpointDir
 from ..live.optimizer import OptimizerComponent
 from ..live.state import ModelComponent
+from ..storage.locate import checkpoint_dir
 from . import foreign, optimizer_mapping
 
 Factory = Callable[[], "nn.Module | tuple[nn.Module, torch.optim.Optimizer]"]
@@ -151,7 +151,7 @@ def import_checkpoint(
     step = step if step is not None else state.step
     if step is None:
         raise ValueError(f"{source} records no step; pass --step N")
-    ckdir = CheckpointDir(dest)
+    ckdir = checkpoint_dir(dest)
     if step in ckdir.steps():
         raise ValueError(f"{dest} already holds a checkpoint of step {step}; choose another")
     ckdir.check_not_foreign()

@@ -9,26 +9,25 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..format import filesystem, manifest, tree
-from ..format.remote import RemotePath, location
-from ..format.storage import MANIFEST, RETIRED, CheckpointDir, folder_step, has_manifest
+from ..format import manifest, tree
 from ..format.tensor_reader import tensor_nbytes
+from ..storage.interface import CheckpointDir, Location, vanished
+from ..storage.locate import checkpoint_dir, location
+from ..storage.names import MANIFEST, RETIRED, folder_step
 
 MAX_RELISTS = 100  # how often a listing may be redone because a save changed the folder
 
 
-def is_step_folder(path: str | Path | RemotePath) -> bool:
-    path = location(path)
-    if isinstance(path, RemotePath):
-        return path.store.info((path / MANIFEST).key) is not None
-    return path.is_dir() and has_manifest(path) is not False  # unreadable: read, and named
+def is_step_folder(path: str | os.PathLike | Location) -> bool:
+    """Whether ``path`` is a committed step folder (it holds a manifest; one that cannot
+    be told is taken for one, so that reading it names what is unreadable)."""
+    return location(path).has_file(MANIFEST) is not False
 
 
-def locate(path: str | Path, step: int | None = None) -> Path:
+def locate(path: str | os.PathLike | Location, step: int | None = None) -> Location:
     """The step folder meant by ``path`` (a run folder or a step folder) and ``step``.
 
     A run folder means its latest committed step unless ``step`` is given.
@@ -39,9 +38,7 @@ def locate(path: str | Path, step: int | None = None) -> Path:
     path = location(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path} does not exist")
-    if isinstance(path, RemotePath):
-        pass  # an object store has no files standing in for folders
-    elif not path.is_dir():
+    if not path.is_dir():
         raise CheckpointNotFoundError(
             f"{path} is a file, not a checkpoint folder; pass a run folder (holding step_* "
             "folders) or one step folder"
@@ -64,7 +61,7 @@ def locate(path: str | Path, step: int | None = None) -> Path:
             f"{path} has no {MANIFEST}: it is not a committed checkpoint (a save never "
             "leaves one: its manifest was lost or deleted, and the checkpoint is damaged)"
         )
-    ckdir = CheckpointDir(path)
+    ckdir = checkpoint_dir(path)
     steps, lost = ckdir.steps(), ckdir.steps_without_manifest()
     if not steps:
         damaged = f"; damaged: {_lost_text(ckdir, lost)}" if lost else ""
@@ -91,14 +88,14 @@ def _lost_text(ckdir: CheckpointDir, steps: list[int]) -> str:
     )
 
 
-def step_folders(path: str | Path, *, damaged: bool = False) -> list[Path]:
+def step_folders(path: str | os.PathLike | Location, *, damaged: bool = False) -> list[Location]:
     """Every committed step folder under ``path`` (itself, if it is a step folder), by
     step; with ``damaged``, also the step folders that lost their manifest.json."""
     path = location(path)
     locate(path)  # raises a clear error for anything that is not a checkpoint
     if is_step_folder(path):
         return [path]
-    ckdir = CheckpointDir(path)
+    ckdir = checkpoint_dir(path)
     steps = ckdir.steps() + (ckdir.steps_without_manifest() if damaged else [])
     return [ckdir.step_path(s) for s in sorted(steps)]
 
@@ -118,9 +115,9 @@ class CheckpointSummary:
     committed: bool = True  # False: a step folder without manifest.json (damaged)
 
 
-def summarize(folder: Path) -> CheckpointSummary:
+def summarize(folder: Location) -> CheckpointSummary:
     """Summary of one step folder; an unreadable manifest is reported, not raised."""
-    step, committed = folder_step(folder), _committed(folder)
+    step, committed = folder_step(folder), is_step_folder(folder)
     try:
         size = _size(folder)
     except OSError as exc:  # no permission, or gone meanwhile
@@ -141,32 +138,27 @@ def summarize(folder: Path) -> CheckpointSummary:
     )
 
 
-def _committed(folder: Path | RemotePath) -> bool:
-    if isinstance(folder, RemotePath):
-        return is_step_folder(folder)
-    return has_manifest(folder) is not False
-
-
-def _size(folder: Path | RemotePath) -> int:
-    if isinstance(folder, RemotePath):  # a store's: its manifest and the files it lists
+def _size(folder: Location) -> int:
+    files = folder.plain_files()
+    if folder.remote:  # a store's: its manifest and the files it lists (not other saves')
         try:
             listed = set(manifest.read(folder)["files"]) | {MANIFEST}
         except CheckpointError:
             listed = {MANIFEST}
-        return sum(i["size"] for rel, i in folder.iter_files() if rel in listed)
-    return sum(e.stat().st_size for e in os.scandir(folder) if e.is_file())
+        files = {name: f for name, f in files.items() if name in listed}
+    return sum(f.size for f in files.values())
 
 
-def list_checkpoints(path: str | Path) -> list[CheckpointSummary]:
+def list_checkpoints(path: str | os.PathLike | Location) -> list[CheckpointSummary]:
     """:func:`summarize` of every step folder under ``path`` (those without a manifest
     too). A folder that a concurrent save prunes or re-saves while it is read is no
     damage: the folders are listed again and summarized as they are now."""
     for _ in range(MAX_RELISTS):
         summaries = []
         for folder in step_folders(path, damaged=True):
-            seen = filesystem.identity(folder)
+            seen = folder.identity()
             summary = summarize(folder)
-            if summary.error and filesystem.vanished(folder, seen):
+            if summary.error and vanished(folder, seen):
                 break
             summaries.append(summary)
         else:
@@ -174,13 +166,13 @@ def list_checkpoints(path: str | Path) -> list[CheckpointSummary]:
     raise CheckpointError(f"the checkpoints in {path} changed faster than they could be read")
 
 
-def retired_checkpoints(path: str | Path) -> list[CheckpointSummary]:
+def retired_checkpoints(path: str | os.PathLike | Location) -> list[CheckpointSummary]:
     """Checkpoints of abandoned branches kept aside in a run folder (``.retired-step_*``,
     never listed or restored; see :mod:`unbroken.core.branching`), by step."""
     path = location(path)
     if is_step_folder(path) and not path.name.startswith(RETIRED):
         return []
-    return [summarize(folder) for _, folder in CheckpointDir(path).retired()]
+    return [summarize(folder) for _, folder in checkpoint_dir(path).retired()]
 
 
 def component_skeletons(doc: dict[str, Any], name: str) -> list[Any]:

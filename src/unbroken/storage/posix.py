@@ -1,6 +1,6 @@
-"""File-system primitives under the checkpoint folder: atomic exchange, the save lock
-and its non-blocking test, a folder's identity (did it vanish while being read?),
-directory fsync, and write errors that say where and how much space is left.
+"""Operating-system primitives under a local run folder: atomic exchange, the save lock
+and its non-blocking test, directory fsync, and write errors that say where and how much
+space is left.
 
 Local file systems only. Linux gives everything: ``renameat2(RENAME_EXCHANGE)`` swaps a
 re-saved step in one step, and open-file-description locks (``F_OFD_SETLK``) can be
@@ -99,34 +99,6 @@ def is_locked(fd: int) -> bool:
         raise
     fcntl.flock(fd, fcntl.LOCK_UN)
     return False
-
-
-Identity = tuple[int, int, int]
-
-
-def identity(folder: Path) -> Identity | None:
-    """What :func:`vanished` compares: the folder's device, inode and change time (None
-    if it is not there). Take it before reading a checkpoint. On an object store: its
-    manifest object's identity (ETag), which a re-save or a removal changes."""
-    if hasattr(folder, "store"):  # a RemotePath (imported nowhere here: no cycle)
-        info = folder.store.info((folder / "manifest.json").key)
-        return None if info is None else (0, 0, hash(info["etag"]))
-    try:
-        st = os.stat(folder)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_ctime_ns)
-
-
-def vanished(folder: Path, seen: Identity | None) -> bool:
-    """Whether ``folder`` is no longer the folder whose :func:`identity` was ``seen``:
-    removed or retired (retention, a branch) or replaced (a re-save) by a concurrent
-    save, or changed in any way, while it was being read.
-
-    Reading errors of a folder that vanished are not damage: list the steps again and
-    read what is there now. A folder that is still the same reports its damage as usual.
-    """
-    return seen is None or identity(folder) != seen
 
 
 def fsync_dir(path: Path) -> None:

@@ -35,18 +35,21 @@ import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..env import env_number
 from ..errors import CheckpointError
-from .remote import RemotePath, env_number
-from .storage import (
-    _FOREIGN_MARKERS,
-    _STEP_RE,
+from .names import (
+    FOREIGN_MARKERS,
     MANIFEST,
     REPLACED,
     RETIRED,
-    CheckpointDir,
-    _log_retired,
+    aside_name,
+    aside_step,
+    aside_target,
+    log_retired,
     step_dir_name,
+    step_of,
 )
+from .store_path import StorePath
 
 logger = logging.getLogger(__name__)
 STALE_ENV = "UNBROKEN_STALE_UPLOAD_S"
@@ -57,17 +60,16 @@ def stale_after() -> float:
     return env_number(STALE_ENV, 3600, 0)
 
 
-class RemoteCheckpointDir(CheckpointDir):
-    """The root of one run's checkpoints on an object store (any fsspec URL).
-
-    Same operations as the local :class:`CheckpointDir`; see the module docstring for
-    how each is done without rename or locks. Thread-safe as far as the store client is.
+class StoreCheckpointDir:
+    """The root of one run's checkpoints on an object store (any fsspec URL): the
+    ``CheckpointDir`` role (``interface.py``); see the module docstring for how each
+    operation is done without rename or locks. Thread-safe as far as the store client is.
     """
 
     remote = True
 
     def __init__(self, root: str | os.PathLike) -> None:
-        self.root = RemotePath.parse(str(root))  # type: ignore[assignment]
+        self.root = StorePath.parse(str(root))
         self._removals: list[threading.Thread] = []
         if self.root.store.info(self.root.key) is not None:
             raise CheckpointError(
@@ -79,7 +81,7 @@ class RemoteCheckpointDir(CheckpointDir):
     def store(self):
         return self.root.store
 
-    def step_path(self, step: int) -> RemotePath:  # type: ignore[override]
+    def step_path(self, step: int) -> StorePath:
         return self.root / step_dir_name(step)
 
     def _objects(self) -> dict[str, dict[str, Any]]:
@@ -89,9 +91,9 @@ class RemoteCheckpointDir(CheckpointDir):
         found = set()
         for rel in self._objects():
             top, _, rest = rel.partition("/")
-            m = _STEP_RE.match(top)
-            if m and rest == MANIFEST:
-                found.add(int(m.group(1)))
+            step = step_of(top)
+            if step is not None and rest == MANIFEST:
+                found.add(step)
         return sorted(found)
 
     def steps_without_manifest(self) -> list[int]:
@@ -107,9 +109,9 @@ class RemoteCheckpointDir(CheckpointDir):
 
     def check_not_foreign(self) -> None:
         names = self.listdir()
-        if any(_STEP_RE.match(n) for n in names) and self.steps():
+        if any(step_of(n) is not None for n in names) and self.steps():
             return
-        foreign = [n for n in names if n.endswith(_FOREIGN_MARKERS)]
+        foreign = [n for n in names if n.endswith(FOREIGN_MARKERS)]
         if foreign:
             raise CheckpointError(
                 f"{self.root} holds no unbroken checkpoint but has other checkpoint files "
@@ -125,24 +127,24 @@ class RemoteCheckpointDir(CheckpointDir):
     def saving_now(self) -> bool:
         return False
 
-    def new_partial(self, step: int) -> RemotePath:  # type: ignore[override]
-        return RemotePath(self.store, self.step_path(step).key, tag=uuid.uuid4().hex[:12])
+    def new_partial(self, step: int) -> StorePath:
+        return StorePath(self.store, self.step_path(step).key, tag=uuid.uuid4().hex[:12])
 
     def token(self, partial: Any) -> str:
         return f"{partial}#{partial.tag}"
 
-    def from_token(self, text: str) -> RemotePath:  # type: ignore[override]
+    def from_token(self, text: str) -> StorePath:
         url, _, tag = text.rpartition("#") if "#" in text else (text, "", "")
-        return RemotePath(self.store, RemotePath.parse(url).key, tag=tag or None)
+        return StorePath(self.store, StorePath.parse(url).key, tag=tag or None)
 
     def shard_name(self, partial: Any, rank: int) -> str:
         return f"rank_{rank:05d}-{partial.tag}.bin"
 
     # -- commit ------------------------------------------------------------------------
 
-    def commit(  # type: ignore[override]
+    def commit(
         self, partial: Any, step: int, *, retire: Sequence[int] = (), manifest: bytes = b""
-    ) -> RemotePath:
+    ) -> StorePath:
         """Commit by writing ``manifest`` (its bytes) last, conditionally. Retired steps
         are unlisted first and put back if the commit fails."""
         retired = self.retire(retire)
@@ -151,7 +153,7 @@ class RemoteCheckpointDir(CheckpointDir):
         try:
             if self.store.info((final / MANIFEST).key) is not None:
                 logger.warning("replacing the existing checkpoint of step %d", step)
-                aside = self.root / f"{REPLACED}{final.name}-{uuid.uuid4().hex[:12]}"
+                aside = self.root / aside_name(REPLACED, final.name)
                 self._move(final, aside)
             self._put_manifest(final, step, manifest)
         except BaseException:
@@ -164,7 +166,7 @@ class RemoteCheckpointDir(CheckpointDir):
             self._delete_prefix(aside)
         return final
 
-    def _put_manifest(self, final: RemotePath, step: int, data: bytes) -> None:
+    def _put_manifest(self, final: StorePath, step: int, data: bytes) -> None:
         key = (final / MANIFEST).key
         try:
             self.store.put(key, data, create=True)
@@ -179,7 +181,7 @@ class RemoteCheckpointDir(CheckpointDir):
                 "other job or use another path"
             ) from None
 
-    def _listed_files(self, folder: RemotePath) -> list[str]:
+    def _listed_files(self, folder: StorePath) -> list[str]:
         """Names the manifest of ``folder`` lists (none if it has no readable one)."""
         try:
             doc = json.loads(self.store.read((folder / MANIFEST).key))
@@ -187,7 +189,7 @@ class RemoteCheckpointDir(CheckpointDir):
         except (FileNotFoundError, ValueError, AttributeError, CheckpointError):
             return []
 
-    def _move(self, src: RemotePath, dst: RemotePath) -> None:
+    def _move(self, src: StorePath, dst: StorePath) -> None:
         """Copy a committed checkpoint to ``dst`` (manifest last: committed there only
         once whole), unlist it at ``src`` (manifest first), then delete its objects."""
         names = self._listed_files(src)
@@ -197,7 +199,7 @@ class RemoteCheckpointDir(CheckpointDir):
         self.store.delete([(src / MANIFEST).key])
         self.store.delete([(src / name).key for name in names])
 
-    def _delete_prefix(self, folder: RemotePath) -> None:
+    def _delete_prefix(self, folder: StorePath) -> None:
         listed = self.store.listing(folder.key)
         keys = [(folder / rel).key for rel in listed]
         manifest = (folder / MANIFEST).key
@@ -211,13 +213,13 @@ class RemoteCheckpointDir(CheckpointDir):
                 path = self.step_path(s)
                 if self.store.info((path / MANIFEST).key) is None:
                     continue
-                aside = self._retired_path(path)
+                aside = self.root / aside_name(RETIRED, path.name)
                 self._move(path, aside)
                 moved.append((path, aside))
         except BaseException:
             self._unretire(moved)
             raise
-        _log_retired(moved)
+        log_retired(moved)
         return moved
 
     def _unretire(self, moved: list[tuple[Any, Any]]) -> None:
@@ -228,9 +230,9 @@ class RemoteCheckpointDir(CheckpointDir):
     def retired(self) -> list[tuple[int, Any]]:
         found = []
         for name in self.listdir():
-            m = _STEP_RE.match(name.removeprefix(RETIRED).rsplit("-", 1)[0])
-            if name.startswith(RETIRED) and m:
-                found.append((int(m.group(1)), self.root / name))
+            step = aside_step(name, RETIRED)
+            if step is not None:
+                found.append((step, self.root / name))
         return sorted(found, key=lambda x: (x[0], str(x[1])))
 
     # -- removal and clean-up ------------------------------------------------------------
@@ -249,11 +251,16 @@ class RemoteCheckpointDir(CheckpointDir):
         self._removals = [t for t in self._removals if t.is_alive()] + [worker]
         return True
 
-    def _delete_quietly(self, folder: RemotePath) -> None:
+    def _delete_quietly(self, folder: StorePath) -> None:
         try:
             self._delete_prefix(folder)
         except CheckpointError as exc:  # the next save's clean-up removes what is left
             logger.warning("%s", exc)
+
+    def finish_removals(self) -> None:
+        for worker in self._removals:
+            worker.join()
+        self._removals = []
 
     def discard(self, partial: Any) -> None:
         suffix = f"-{partial.tag}.bin"
@@ -276,7 +283,7 @@ class RemoteCheckpointDir(CheckpointDir):
             if top.startswith(REPLACED):
                 self._recover(self.root / top)
                 continue
-            if not _STEP_RE.match(top):
+            if step_of(top) is None:
                 continue
             folder = self.root / top
             saves = {shard_save_id(r) for r in members if r != MANIFEST}
@@ -318,10 +325,11 @@ class RemoteCheckpointDir(CheckpointDir):
                     aborted.append(up["Key"])
         return aborted
 
-    def _recover(self, aside: RemotePath) -> None:
-        final = self.root / aside.name.removeprefix(REPLACED).rsplit("-", 1)[0]
-        if not _STEP_RE.match(final.name):
+    def _recover(self, aside: StorePath) -> None:
+        original = aside_target(aside.name, REPLACED)
+        if original is None:
             return
+        final = self.root / original
         if self.store.info((aside / MANIFEST).key) is None:
             return  # the copy aside never completed: the step itself was never unlisted
         if self.store.info((final / MANIFEST).key) is None:

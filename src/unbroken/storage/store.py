@@ -1,10 +1,7 @@
-"""Object stores (S3 and any fsspec URL): paths, and every request made to them.
+"""Object stores (S3 and any fsspec URL): one client per file system, and every request.
 
-A :class:`RemotePath` is what a local ``Path`` is to the rest of ``format/``: the step
-folders, shard files and manifests of a checkpoint on a store. Code that reads or writes
-a checkpoint asks ``isinstance(x, RemotePath)`` and goes through its :class:`Store`.
-
-The store is an fsspec file system, imported only when a URL is used (``import
+The paths of a checkpoint on a store are ``StorePath``s (``store_path.py``); each of
+their operations is a request made here. The store is an fsspec file system, imported only when a URL is used (``import
 unbroken`` never needs fsspec). Its options come from fsspec's own configuration, so
 no new argument is needed: botocore's ``AWS_ENDPOINT_URL``, ``AWS_PROFILE`` and
 credentials chain for S3; ``FSSPEC_S3_<OPTION>`` environment variables or an fsspec
@@ -26,61 +23,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, TypeVar
 
+from ..env import env_number
 from ..errors import CheckpointError
+from . import store_io
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 RETRIES_ENV = "UNBROKEN_STORE_RETRIES"
 BACKOFF_ENV = "UNBROKEN_STORE_BACKOFF_S"
-PART_ENV = "UNBROKEN_STORE_PART_MB"
-CONCURRENCY_ENV = "UNBROKEN_STORE_CONCURRENCY"
 _NOT_RETRIED = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError)
 _stores: dict[str, Store] = {}
 _stores_lock = threading.Lock()
-
-
-def is_url(text: str) -> bool:
-    """Whether ``text`` names an object store (``s3://``, ``memory://``, ...), not a
-    local path (plain, or ``file://``)."""
-    return "://" in text and not text.startswith("file://")
-
-
-def location(path: str | os.PathLike | RemotePath) -> Path | RemotePath:
-    """A checkpoint location as given by a user: a ``RemotePath`` for a store's URL, else
-    a local ``Path`` (``file://`` URLs too)."""
-    if isinstance(path, RemotePath):
-        return path
-    text = os.fspath(path)
-    return RemotePath.parse(text) if is_url(text) else Path(text.removeprefix("file://"))
-
-
-def env_number(name: str, default: float, low: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected a number >= {low}") from None
-    if value < low:
-        raise ValueError(f"{name}={raw!r}: expected a number >= {low}")
-    return value
-
-
-def part_size() -> int:
-    return int(env_number(PART_ENV, 32, 5) * (1 << 20))  # S3 parts are >= 5 MiB
-
-
-def concurrency() -> int:
-    return int(env_number(CONCURRENCY_ENV, 8, 1))
 
 
 class Store:
@@ -217,17 +176,13 @@ class Store:
     def read_into(self, key: str, offset: int, buf: memoryview) -> int:
         """Fill ``buf`` from bytes ``offset..`` of the object, in parallel ranged reads of
         one part each; returns the bytes read (fewer: the object ends first)."""
-        from .remote_io import read_ranges
-
-        return read_ranges(self, key, offset, buf)
+        return store_io.read_ranges(self, key, offset, buf)
 
     def upload(self, key: str, segments: list[memoryview]) -> None:
         """Write ``segments`` one after another as the object ``key``: parts in parallel
         (S3 multipart), straight from the segments' memory; nothing appears under
         ``key`` unless every part arrived."""
-        from .remote_io import upload
-
-        upload(self, key, segments)
+        store_io.upload(self, key, segments)
 
 
 def _etag(info: dict[str, Any]) -> str:
@@ -247,62 +202,3 @@ def _mtime(info: dict[str, Any], now: float) -> float:
         with contextlib.suppress(TypeError, ValueError):
             return float(value)
     return now  # unknown age: treated as new, so never cleaned up early
-
-
-class RemotePath:
-    """A folder or object of a checkpoint on a store: ``str()`` is its URL, ``/`` joins.
-
-    ``tag`` (a save's id) travels with a partial save's step folder: each rank names
-    its shard object with it, so two saves of one step never write the same object.
-    """
-
-    __slots__ = ("key", "store", "tag")
-
-    def __init__(self, store: Store, key: str, tag: str | None = None) -> None:
-        self.store = store
-        self.key = key.rstrip("/")
-        self.tag = tag
-
-    @classmethod
-    def parse(cls, url: str) -> RemotePath:
-        store, key = Store.for_url(url)
-        if not key or ("/" not in key.strip("/") and store.is_s3):
-            raise CheckpointError(
-                f"{url}: name a folder inside a bucket (s3://BUCKET/FOLDER), not a bucket"
-            )
-        return cls(store, key)
-
-    def __truediv__(self, name: str) -> RemotePath:
-        return RemotePath(self.store, f"{self.key}/{name}")
-
-    @property
-    def name(self) -> str:
-        return self.key.rsplit("/", 1)[-1]
-
-    @property
-    def parent(self) -> RemotePath:
-        return RemotePath(self.store, self.key.rsplit("/", 1)[0])
-
-    def __str__(self) -> str:
-        return self.store.url(self.key)
-
-    def __repr__(self) -> str:
-        return f"RemotePath({str(self)!r})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RemotePath) and (self.store, self.key) == (other.store, other.key)
-
-    def __hash__(self) -> int:
-        return hash(self.key)
-
-    def exists(self) -> bool:
-        return bool(self.store.listing(self.key)) or self.store.info(self.key) is not None
-
-    def resolve(self) -> RemotePath:
-        return self  # a URL is absolute already
-
-    def is_symlink(self) -> bool:
-        return False  # object stores have no links
-
-    def iter_files(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        yield from sorted(self.store.listing(self.key).items())

@@ -1,12 +1,4 @@
-"""Checkpoint directory layout: committed steps, partial saves, atomic commit, removal.
-
-::
-
-    DIR/step_00000200/          a committed checkpoint (it has manifest.json)
-    DIR/.partial-<step>-<id>/   a save in progress: never listed, never loaded
-    DIR/.trash-<step>-<id>/     a checkpoint being deleted: never listed
-    DIR/.retired-<step>-<id>/   a checkpoint of an abandoned branch: never listed, kept
-    DIR/.replaced-<step>-<id>/  the old copy of a re-saved step, until the new one commits
+"""A run folder on a local disk: the ``CheckpointDir`` role (``interface.py``) by rename.
 
 A save writes everything into a partial directory, writes ``manifest.json`` last, then
 renames the directory into place: the rename is the commit. A crash at any instant
@@ -16,12 +8,12 @@ newest first, then commits: a crash in between leaves the old branch (or the ste
 resumed from) the newest, as if the save had not started. Re-saving a step swaps the
 new copy in atomically where the file system can (``RENAME_EXCHANGE``); elsewhere the
 old copy waits aside as ``.replaced-*`` and a crash before the new one is in place is
-undone by the next save or restore.
+undone by the next save or restore. (The names: ``names.py``.)
 
 Readers (restores in other processes, the command-line tools) never take the save lock:
-they clean leftovers only while no save holds it (:meth:`CheckpointDir.saving_now` asks
-without taking it), and a step that a save prunes, retires or replaces while it is read
-is re-listed, not reported as damage (``filesystem.identity``, ``filesystem.vanished``).
+they clean leftovers only while no save holds it (:meth:`LocalCheckpointDir.saving_now`
+asks without taking it), and a step that a save prunes, retires or replaces while it is
+read is re-listed, not reported as damage (``interface.vanished``).
 """
 
 from __future__ import annotations
@@ -29,75 +21,48 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import shutil
-import stat
 import threading
-import uuid
 from collections.abc import Iterable, Sequence
-from pathlib import Path
-from typing import Any
 
 from ..errors import CheckpointError
-from . import filesystem
-from .filesystem import SAVE_FIX as _FIX
-from .filesystem import fsync_dir, writing
-from .remote import is_url
+from . import posix
+from .local_files import LocalPath
+from .names import (
+    FOREIGN_MARKERS,
+    LEFTOVERS,
+    LOCK,
+    MANIFEST,
+    PARTIAL,
+    REPLACED,
+    RETIRED,
+    TRASH,
+    aside_name,
+    aside_step,
+    aside_target,
+    log_retired,
+    step_dir_name,
+    step_of,
+)
+from .posix import SAVE_FIX as _FIX
+from .posix import fsync_dir, writing
 
 logger = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-LOCK = ".lock"
-RETIRED = ".retired-"
-REPLACED = ".replaced-"
-LEFTOVERS = (".partial-", ".trash-")
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
-_FOREIGN_MARKERS = (".metadata", ".distcp", ".pt", ".pth", ".ckpt", ".safetensors", ".bin")
 
+class LocalCheckpointDir:
+    """The root folder of one training run's checkpoints on a local disk.
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def folder_step(path: str | os.PathLike) -> int | None:
-    """The step a folder's name says (``step_00000200`` -> 200), or None."""
-    m = _STEP_RE.match(getattr(path, "name", None) or Path(path).name)
-    return int(m.group(1)) if m else None
-
-
-def has_manifest(folder: Path) -> bool | None:
-    """True if ``folder`` holds manifest.json, False if not; None if that cannot be told
-    (no permission): listed then, so that reading it names the unreadable file."""
-    try:
-        return stat.S_ISREG(os.stat(folder / MANIFEST).st_mode)
-    except PermissionError:
-        return None
-    except OSError:
-        return False
-
-
-class CheckpointDir:
-    """The root folder of one training run's checkpoints.
-
-    ``CheckpointDir(path)`` is this local back-end; ``CheckpointDir("s3://...")`` (any
-    fsspec URL but ``file://``) is the object-store one, ``remote_dir.RemoteCheckpointDir``:
-    the same operations with a manifest-last commit and no rename or lock.
+    Thread-safe for one saver (it holds the save lock) and any number of readers.
     """
 
     remote = False
-
-    def __new__(cls, root: str | os.PathLike) -> CheckpointDir:
-        if cls is CheckpointDir and is_url(str(root)):
-            from .remote_dir import RemoteCheckpointDir  # fsspec is optional
-
-            return super().__new__(RemoteCheckpointDir)
-        return super().__new__(cls)
 
     def __init__(self, root: str | os.PathLike) -> None:
         text = os.fspath(root)
         if "://" in text:
             text = text.removeprefix("file://")
-        self.root = Path(text)
+        self.root = LocalPath(text)
         self._removals: list[threading.Thread] = []
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointError(
@@ -105,7 +70,7 @@ class CheckpointDir:
                 "holds step_* checkpoints (or a new folder to start one)"
             )
 
-    def step_path(self, step: int) -> Path:
+    def step_path(self, step: int) -> LocalPath:
         return self.root / step_dir_name(step)
 
     def steps(self) -> list[int]:
@@ -114,9 +79,9 @@ class CheckpointDir:
             return []
         found = []
         for entry in self.root.iterdir():
-            m = _STEP_RE.match(entry.name)
-            if m and has_manifest(entry) is not False:
-                found.append(int(m.group(1)))
+            step = step_of(entry.name)
+            if step is not None and entry.has_file(MANIFEST) is not False:
+                found.append(step)
         return sorted(found)
 
     def steps_without_manifest(self) -> list[int]:
@@ -130,19 +95,19 @@ class CheckpointDir:
             return []
         found = []
         for entry in self.root.iterdir():
-            m = _STEP_RE.match(entry.name)
+            step = step_of(entry.name)
             # Asked twice around is_dir(): a step pruned or committed by a concurrent save
             # between the questions is never mistaken for one that lost its manifest.
-            lost = m and has_manifest(entry) is False and entry.is_dir()
-            if lost and has_manifest(entry) is False:
-                found.append(int(m.group(1)))
+            lost = step is not None and entry.has_file(MANIFEST) is False and entry.is_dir()
+            if lost and entry.has_file(MANIFEST) is False:
+                found.append(step)
         return sorted(found)
 
     def check_not_foreign(self) -> None:
         """Refuse a folder that holds another tool's checkpoint and none of ours."""
         if not self.root.is_dir() or self.steps():
             return
-        foreign = sorted(p.name for p in self.root.iterdir() if p.name.endswith(_FOREIGN_MARKERS))
+        foreign = sorted(p.name for p in self.root.iterdir() if p.name.endswith(FOREIGN_MARKERS))
         if foreign:
             raise CheckpointError(
                 f"{self.root} holds no unbroken checkpoint but has other checkpoint files "
@@ -157,21 +122,21 @@ class CheckpointDir:
         up or overwrite each other's work; the loser gets a clear error instead. Readers
         never take it (see :meth:`saving_now`).
         """
-        return filesystem.save_lock(self.root, self.root / LOCK, _FIX)
+        return posix.save_lock(self.root, self.root / LOCK, _FIX)
 
     def saving_now(self) -> bool:
         """Whether a save holds the save lock right now, asked without taking it (so a
         reader never makes a save fail). True when it cannot be told."""
-        return filesystem.saving_now(self.root / LOCK)
+        return posix.saving_now(self.root / LOCK)
 
-    def token(self, partial: Path) -> str:
+    def token(self, partial: LocalPath) -> str:
         """``partial`` as text, for the other ranks (:meth:`from_token`)."""
         return str(partial)
 
-    def from_token(self, text: str) -> Path:
-        return Path(text)
+    def from_token(self, text: str) -> LocalPath:
+        return LocalPath(text)
 
-    def shard_name(self, partial: Path, rank: int) -> str:
+    def shard_name(self, partial: LocalPath, rank: int) -> str:
         """The name of ``rank``'s shard file in the partial save ``partial``."""
         return f"rank_{rank:05d}.bin"
 
@@ -182,16 +147,16 @@ class CheckpointDir:
     def is_folder(self, name: str) -> bool:
         return (self.root / name).is_dir()
 
-    def new_partial(self, step: int) -> Path:
-        path = self.root / f".partial-{step_dir_name(step)}-{uuid.uuid4().hex[:12]}"
+    def new_partial(self, step: int) -> LocalPath:
+        path = self.root / aside_name(PARTIAL, step_dir_name(step))
         with writing(path, "creating", _FIX):
             self.root.mkdir(parents=True, exist_ok=True)
             path.mkdir()
         return path
 
     def commit(
-        self, partial: Path, step: int, *, retire: Sequence[int] = (), manifest: bytes = b""
-    ) -> Path:
+        self, partial: LocalPath, step: int, *, retire: Sequence[int] = (), manifest: bytes = b""
+    ) -> LocalPath:
         """Write ``manifest`` (its bytes; if given) into ``partial`` and make it the
         committed checkpoint of ``step`` (atomic rename).
 
@@ -201,7 +166,7 @@ class CheckpointDir:
         nothing, or returns the committed folder.
         """
         if manifest:
-            filesystem.write_synced(partial / MANIFEST, manifest, _FIX)
+            posix.write_synced(partial / MANIFEST, manifest, _FIX)
         retired = self.retire(retire)
         try:
             with writing(partial, "committing", _FIX):
@@ -210,7 +175,7 @@ class CheckpointDir:
             self._unretire(retired)
             raise
 
-    def _commit(self, partial: Path, step: int) -> Path:
+    def _commit(self, partial: LocalPath, step: int) -> LocalPath:
         final = self.step_path(step)
         if not os.path.lexists(final):
             os.rename(partial, final)
@@ -218,13 +183,13 @@ class CheckpointDir:
             return final
         # Re-saving a step: the old copy stays committed until the new one is.
         logger.warning("replacing the existing checkpoint of step %d", step)
-        if filesystem.exchange(partial, final):  # one atomic step; partial holds the old
-            self._durable(lambda: filesystem.exchange(partial, final))
+        if posix.exchange(partial, final):  # one atomic step; partial holds the old
+            self._durable(lambda: posix.exchange(partial, final))
             shutil.rmtree(partial, ignore_errors=True)
             return final
         # No exchange on this file system: the old copy waits aside until the new one is
         # in place; a crash in between is undone by the next save or restore (_recover).
-        aside = self.root / f"{REPLACED}{final.name}-{uuid.uuid4().hex[:12]}"
+        aside = self.root / aside_name(REPLACED, final.name)
         os.rename(final, aside)
         try:
             os.rename(partial, final)
@@ -250,13 +215,13 @@ class CheckpointDir:
                 undo()
             raise
 
-    def retire(self, steps: Sequence[int]) -> list[tuple[Path, Path]]:
+    def retire(self, steps: Sequence[int]) -> list[tuple[LocalPath, LocalPath]]:
         """Unlist committed ``steps`` by renaming them to ``.retired-step_*-<id>``.
 
         They are kept (never listed, loaded or cleaned up) so nothing is lost silently;
         returns (old, new) paths. Steps no longer committed are passed over.
         """
-        moved: list[tuple[Path, Path]] = []
+        moved: list[tuple[LocalPath, LocalPath]] = []
         try:
             with writing(self.root, "retiring abandoned steps in", _FIX):
                 # Newest first: a crash midway leaves a prefix of the old branch listed,
@@ -265,7 +230,7 @@ class CheckpointDir:
                     path = self.step_path(s)
                     if not (path / MANIFEST).is_file():
                         continue
-                    aside = self._retired_path(path)
+                    aside = self.root / aside_name(RETIRED, path.name)
                     os.rename(path, aside)
                     moved.append((path, aside))
                 if moved:
@@ -273,27 +238,23 @@ class CheckpointDir:
         except BaseException:
             self._unretire(moved)
             raise
-        _log_retired(moved)
+        log_retired(moved)
         return moved
 
-    def _retired_path(self, path: Path) -> Path:
-        """Where retiring the committed step folder ``path`` moves it (a unique name)."""
-        return self.root / f"{RETIRED}{path.name}-{uuid.uuid4().hex[:12]}"
-
-    def _unretire(self, moved: list[tuple[Path, Path]]) -> None:
+    def _unretire(self, moved: list[tuple[LocalPath, LocalPath]]) -> None:
         for path, aside in reversed(moved):
             with contextlib.suppress(OSError):
                 os.rename(aside, path)
 
-    def retired(self) -> list[tuple[int, Path]]:
+    def retired(self) -> list[tuple[int, LocalPath]]:
         """Checkpoints retired from abandoned branches: (step, folder), by step."""
         if not self.root.is_dir():
             return []
         found = []
         for entry in self.root.iterdir():
-            m = _STEP_RE.match(entry.name.removeprefix(RETIRED).rsplit("-", 1)[0])
-            if entry.name.startswith(RETIRED) and m and entry.is_dir():
-                found.append((int(m.group(1)), entry))
+            step = aside_step(entry.name, RETIRED)
+            if step is not None and entry.is_dir():
+                found.append((step, entry))
         return sorted(found)
 
     def remove(self, step: int) -> bool:
@@ -305,7 +266,7 @@ class CheckpointDir:
         (a full disk can refuse even a rename) is logged, the step kept, and False returned.
         """
         path = self.step_path(step)
-        trash = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:12]}"
+        trash = self.root / aside_name(TRASH, path.name)
         try:
             with writing(path, "removing", "it is kept; retention tries again next save"):
                 os.rename(path, trash)
@@ -326,7 +287,7 @@ class CheckpointDir:
             worker.join()
         self._removals = []
 
-    def discard(self, partial: Path) -> None:
+    def discard(self, partial: LocalPath) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
     def clean_leftovers(self) -> list[str]:
@@ -350,7 +311,7 @@ class CheckpointDir:
             return []
         return self._clean(entries)
 
-    def _leftovers(self) -> list[Path]:
+    def _leftovers(self) -> list[LocalPath]:
         if not self.root.is_dir():
             return []
         try:
@@ -359,7 +320,7 @@ class CheckpointDir:
             return []
         return [self.root / n for n in sorted(names) if n.startswith((*LEFTOVERS, REPLACED))]
 
-    def _clean(self, entries: Iterable[Path]) -> list[str]:
+    def _clean(self, entries: Iterable[LocalPath]) -> list[str]:
         removed = []
         for entry in entries:
             if entry.name.startswith(REPLACED):
@@ -371,13 +332,14 @@ class CheckpointDir:
             logger.info("removed %d leftover partial save(s) in %s", len(removed), self.root)
         return removed
 
-    def _recover(self, aside: Path) -> None:
+    def _recover(self, aside: LocalPath) -> None:
         """``aside`` is the old copy of a re-saved step (.replaced-step_*-<id>): put it
         back if the step is missing (the save died between its two renames), delete it
         once the step is committed again; leave it if the step is there but damaged."""
-        final = self.root / aside.name.removeprefix(REPLACED).rsplit("-", 1)[0]
-        if _STEP_RE.match(final.name) is None:
+        original = aside_target(aside.name, REPLACED)
+        if original is None:
             return
+        final = self.root / original
         if not os.path.lexists(final):
             try:
                 os.rename(aside, final)  # fails harmlessly if another process was first
@@ -385,14 +347,5 @@ class CheckpointDir:
             except OSError:
                 return
             logger.warning("put back %s: a re-save of it did not complete", final)
-        elif has_manifest(final):
+        elif final.has_file(MANIFEST):
             shutil.rmtree(aside, ignore_errors=True)
-
-
-def _log_retired(moved: Sequence[tuple[Any, Any]]) -> None:
-    if moved:
-        logger.warning(
-            "retired %s of an abandoned branch: kept as %s",
-            ", ".join(path.name for path, _ in moved),
-            ", ".join(aside.name for _, aside in moved),
-        )

@@ -17,15 +17,38 @@ import io
 import logging
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .remote import concurrency, part_size
-
-if TYPE_CHECKING:
-    from .remote import Store
+from ..env import env_number
 
 logger = logging.getLogger(__name__)
+PART_ENV = "UNBROKEN_STORE_PART_MB"
+CONCURRENCY_ENV = "UNBROKEN_STORE_CONCURRENCY"
 _MAX_PARTS = 9000  # S3 allows 10,000
+
+
+class StoreClient(Protocol):
+    """What the bulk transfers need of a ``store.Store`` (which calls them: this module
+    never imports it)."""
+
+    fs: Any
+
+    @property
+    def is_s3(self) -> bool: ...
+
+    def call(self, doing: str, key: str, fn: Any, fix: str = "") -> Any: ...
+
+    def put(self, key: str, data: bytes, *, create: bool = False) -> None: ...
+
+
+def part_size() -> int:
+    """Bytes per upload part and per ranged read (``UNBROKEN_STORE_PART_MB``, default 32)."""
+    return int(env_number(PART_ENV, 32, 5) * (1 << 20))  # S3 parts are >= 5 MiB
+
+
+def concurrency() -> int:
+    """Requests in flight per rank (``UNBROKEN_STORE_CONCURRENCY``, default 8)."""
+    return int(env_number(CONCURRENCY_ENV, 8, 1))
 
 
 class _View(io.RawIOBase):
@@ -86,7 +109,7 @@ def _parts(segments: list[memoryview], size: int) -> Iterator[memoryview]:
         yield pending[0] if len(pending) == 1 else memoryview(b"".join(pending))
 
 
-def upload(store: Store, key: str, segments: list[memoryview]) -> None:
+def upload(store: StoreClient, key: str, segments: list[memoryview]) -> None:
     total = sum(len(_bytes(s)) for s in segments)
     size = max(part_size(), -(-total // _MAX_PARTS))
     if total <= size:
@@ -98,7 +121,7 @@ def upload(store: Store, key: str, segments: list[memoryview]) -> None:
         store.call("writing", key, lambda: _stream(store, key, segments, size))
 
 
-def _stream(store: Store, key: str, segments: list[memoryview], size: int) -> None:
+def _stream(store: StoreClient, key: str, segments: list[memoryview], size: int) -> None:
     f = store.fs.open(key, "wb", block_size=size)
     try:
         for seg in segments:
@@ -114,7 +137,7 @@ def _stream(store: Store, key: str, segments: list[memoryview], size: int) -> No
     f.close()
 
 
-def _multipart(store: Store, key: str, segments: list[memoryview], size: int) -> None:
+def _multipart(store: StoreClient, key: str, segments: list[memoryview], size: int) -> None:
     fs = store.fs
     bucket, name, _ = fs.split_path(key)
     started = store.call(
@@ -183,7 +206,7 @@ def _s3_once(fs: Any, method: str, **kwargs: Any) -> Any:
     return sync(fs.loop, once)
 
 
-def read_ranges(store: Store, key: str, offset: int, buf: memoryview) -> int:
+def read_ranges(store: StoreClient, key: str, offset: int, buf: memoryview) -> int:
     buf = _bytes(buf)
     size = part_size()
     starts = list(range(0, len(buf), size))

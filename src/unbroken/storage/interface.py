@@ -1,0 +1,232 @@
+"""The two roles storage plays, each with a local-disk and an object-store implementation.
+
+- :class:`Location`: one folder or file of a checkpoint (``LocalPath`` on a disk,
+  ``StorePath`` on a store). Format code reads and writes tensor bytes and manifests
+  through it and never asks which one it holds.
+- :class:`CheckpointDir`: the root folder of one run: committed steps, partial saves,
+  the commit, retention, leftovers (``LocalCheckpointDir``: commit by rename under a save
+  lock; ``StoreCheckpointDir``: a create-only manifest write, no rename, no lock).
+
+``unbroken.storage.locate`` chooses the implementation for a path or URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+Identity = tuple[int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class FileStat:
+    """A plain file in a folder: its size and the bytes it takes on the medium (less
+    than its size for a sparse file on a disk; the size on a store)."""
+
+    size: int
+    held: int
+
+
+class TooLarge(Exception):
+    """:meth:`Location.read_capped` found a file larger than the cap (``size``; None if it
+    grew while it was read)."""
+
+    def __init__(self, path: str, size: int | None) -> None:
+        super().__init__(path, size)
+        self.path, self.size = path, size
+
+
+class ChunkReader(Protocol):
+    """Reads byte ranges of one file (:meth:`Location.open_chunks`)."""
+
+    def read_into(self, offset: int, buf: memoryview) -> int:
+        """Fill ``buf`` from the file's bytes at ``offset``; the bytes read (fewer: the
+        file ends first). Raises ``OSError`` (``FileNotFoundError``: it is gone)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class FileSink(Protocol):
+    """Takes a new file's bytes in order (:meth:`Location.create`)."""
+
+    def write(self, data: memoryview | bytes) -> Any: ...
+
+
+class Location(Protocol):
+    """A folder or a file of a checkpoint: ``/`` joins, ``str()`` is its path or URL.
+
+    Thread-safe: each call stands alone (a :class:`ChunkReader` is one thread's).
+    """
+
+    remote: bool  # on an object store: every read is a request with a latency
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def parent(self) -> Location: ...
+
+    def __truediv__(self, name: str) -> Location: ...
+
+    def exists(self) -> bool: ...
+
+    def is_link(self) -> bool:
+        """Whether it is a symbolic link (never, on a store); checkpoints never hold one."""
+        ...
+
+    def identity(self) -> Identity | None:
+        """What changes when it is removed, renamed or rewritten (None: it is not there).
+        Take it before reading a checkpoint; :func:`vanished` compares."""
+        ...
+
+    def is_dir(self) -> bool:
+        """Whether it is a folder (on a store: a prefix with objects under it)."""
+        ...
+
+    def has_file(self, name: str) -> bool | None:
+        """Whether this folder holds the plain file ``name`` (None: it cannot be told)."""
+        ...
+
+    def plain_files(self) -> dict[str, FileStat]:
+        """The plain files directly inside this folder (links, folders left out).
+        Raises ``OSError`` (``FileNotFoundError``: no such folder) if it cannot be listed."""
+        ...
+
+    def file_problem(self, size: int) -> str | None:
+        """Why this file, recorded with ``size`` bytes, must not be read, or None: missing,
+        another size, a link, not a plain file, sparse (reading it would spend memory on
+        bytes the disk does not hold)."""
+        ...
+
+    def problems(self, listed: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
+        """(name, why) for every file of this step folder that ``listed`` (name -> record
+        with ``size``) names and must not be read, and every file that should not be there
+        (on a disk: any file not listed; on a store other saves' uploads are no damage)."""
+        ...
+
+    def read_capped(self, limit: int) -> bytes:
+        """This whole file, if it is a plain file of at most ``limit`` bytes.
+
+        Raises:
+            FileNotFoundError: it is not there.
+            TooLarge: it is larger (judged before its bytes are read).
+            CorruptCheckpointError: a link, or not a plain file.
+            OSError: it cannot be read.
+        """
+        ...
+
+    def open_chunks(self) -> ChunkReader:
+        """A reader of this file's byte ranges (never through a link)."""
+        ...
+
+    def create(self) -> contextlib.AbstractContextManager[FileSink]:
+        """Write this new file: its bytes go to the sink in order; it is durable (fsynced,
+        or uploaded whole) once the block ends, and never appears in part on a store.
+        Raises ``CheckpointError`` naming the path (on a disk, the free space too)."""
+        ...
+
+
+class CheckpointDir(Protocol):
+    """The root folder of one training run's checkpoints (see ``storage/names.py``).
+
+    Writers (a save) hold :meth:`save_lock`; readers (a restore, the offline tools) never
+    take it and never write, except that they clean leftovers while no save is under way
+    (:meth:`clean_leftovers_if_idle`).
+    """
+
+    root: Location
+    remote: bool
+
+    def step_path(self, step: int) -> Location:
+        """Where step ``step``'s committed checkpoint is (or would be)."""
+        ...
+
+    def steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        ...
+
+    def steps_without_manifest(self) -> list[int]:
+        """Step folders that lost their manifest (damaged, never listed), ascending."""
+        ...
+
+    def listdir(self) -> list[str]:
+        """The names in the root folder (``FileNotFoundError`` if there is none)."""
+        ...
+
+    def is_folder(self, name: str) -> bool: ...
+
+    def check_not_foreign(self) -> None:
+        """Refuse a folder that holds another tool's checkpoint and none of ours."""
+        ...
+
+    def save_lock(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the folder's save lock (one saver at a time); fail at once if taken."""
+        ...
+
+    def saving_now(self) -> bool:
+        """Whether a save holds the lock, asked without taking it."""
+        ...
+
+    def new_partial(self, step: int) -> Location:
+        """A new folder for a save of ``step`` in progress (never listed)."""
+        ...
+
+    def token(self, partial: Location) -> str:
+        """``partial`` as text, for the other ranks (:meth:`from_token`)."""
+        ...
+
+    def from_token(self, text: str) -> Location: ...
+
+    def shard_name(self, partial: Location, rank: int) -> str:
+        """The name of ``rank``'s shard file in the partial save ``partial``."""
+        ...
+
+    def commit(
+        self, partial: Location, step: int, *, retire: Sequence[int] = (), manifest: bytes = b""
+    ) -> Location:
+        """Write ``manifest`` last and make ``partial`` the committed checkpoint of
+        ``step``, retiring the ``retire`` steps first (put back if the commit fails).
+        Raises ``CheckpointError`` having committed nothing."""
+        ...
+
+    def retire(self, steps: Sequence[int]) -> list[tuple[Location, Location]]:
+        """Unlist committed ``steps`` (kept aside as ``.retired-*``): (old, new) paths."""
+        ...
+
+    def retired(self) -> list[tuple[int, Location]]:
+        """Checkpoints retired from abandoned branches: (step, folder), by step."""
+        ...
+
+    def remove(self, step: int) -> bool:
+        """Unlist a committed checkpoint at once, delete its files in the background;
+        False (logged, kept) if that failed."""
+        ...
+
+    def finish_removals(self) -> None:
+        """Wait for the deletions :meth:`remove` started."""
+        ...
+
+    def discard(self, partial: Location) -> None:
+        """Remove a partial save's files."""
+        ...
+
+    def clean_leftovers(self) -> list[str]:
+        """Remove what crashed saves left; call it holding :meth:`save_lock`."""
+        ...
+
+    def clean_leftovers_if_idle(self) -> list[str]:
+        """:meth:`clean_leftovers` unless a save is under way; never takes the lock."""
+        ...
+
+
+def vanished(folder: Location, seen: Identity | None) -> bool:
+    """Whether ``folder`` is no longer the one whose :meth:`Location.identity` was
+    ``seen``: removed, retired or re-saved by a concurrent save while it was read.
+
+    Reading errors of a folder that vanished are not damage: list the steps again and
+    read what is there now. A folder that is still the same reports its damage as usual.
+    """
+    return seen is None or folder.identity() != seen

@@ -1,0 +1,166 @@
+"""A checkpoint's files on a local disk: :class:`LocalPath`, the ``Location`` role for a path.
+
+A committed checkpoint's folder holds ``manifest.json`` and the shard files it lists,
+nothing else. Each is a plain file, never a symbolic link (a hostile checkpoint must not
+make a reader read outside its folder), of exactly its recorded size, and allocated on
+disk: a sparse file (mostly holes) claims bytes it does not hold, and reading it would
+spend memory on data that is not there, so memory stays bounded by what the checkpoint
+really takes on disk. ``restore()``, ``unbroken verify`` and the offline readers apply
+these same rules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import pathlib
+import stat
+from collections.abc import Iterator, Mapping
+from typing import IO, Any
+
+from ..errors import CorruptCheckpointError
+from .interface import FileStat, Identity, TooLarge
+from .names import MANIFEST
+from .posix import SAVE_FIX, writing
+
+ALLOW_SPARSE = "UNBROKEN_ALLOW_SPARSE"  # set to 1 where allocation is not reported
+_HOLES_ALLOWED = 1 << 20  # unallocated bytes a file may have (block rounding, tiny files)
+
+
+def allocated(st: os.stat_result) -> int:
+    """Bytes a file takes on disk (its size where the platform does not say)."""
+    blocks = getattr(st, "st_blocks", None)
+    return st.st_size if blocks is None else blocks * 512
+
+
+def _sparse(path: os.PathLike, st: os.stat_result) -> str | None:
+    held = allocated(st)
+    if st.st_size - held <= _HOLES_ALLOWED or held * 2 >= st.st_size:
+        return None
+    if os.environ.get(ALLOW_SPARSE) == "1":
+        return None
+    return (
+        f"{path} is sparse: {st.st_size} bytes long but only {held} allocated on disk. A "
+        "save writes every byte, so the file was made to look larger than it is; reading "
+        "it would spend memory on data that is not there. (Where the file system does not "
+        f"report allocated blocks, or compresses files, set {ALLOW_SPARSE}=1)"
+    )
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
+class _FileChunks:
+    """A :class:`~.interface.ChunkReader` over one open file."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+
+    def read_into(self, offset: int, buf: memoryview) -> int:
+        self._f.seek(offset)
+        return self._f.readinto(buf) or 0
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class LocalPath(pathlib.PosixPath):
+    """A folder or file of a checkpoint on a local disk: a ``pathlib`` path that also
+    plays the ``Location`` role (``unbroken.storage.interface``)."""
+
+    remote = False
+
+    def is_link(self) -> bool:
+        return self.is_symlink()
+
+    def has_file(self, name: str) -> bool | None:
+        """Whether this folder holds the plain file ``name``; None if that cannot be told
+        (no permission): callers then read it, so that the error names it."""
+        try:
+            return stat.S_ISREG(os.stat(self / name).st_mode)
+        except PermissionError:
+            return None
+        except OSError:
+            return False
+
+    def identity(self) -> Identity | None:
+        """The folder's device, inode and change time."""
+        try:
+            st = os.stat(self)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+    def plain_files(self) -> dict[str, FileStat]:
+        found = {}
+        with os.scandir(self) as entries:
+            for entry in entries:
+                if entry.is_file(follow_symlinks=False):
+                    st = entry.stat(follow_symlinks=False)
+                    found[entry.name] = FileStat(st.st_size, min(st.st_size, allocated(st)))
+        return found
+
+    def file_problem(self, size: int) -> str | None:
+        try:
+            st = os.lstat(self)
+        except (FileNotFoundError, NotADirectoryError):
+            return f"{self} is missing"
+        except OSError as exc:  # no permission on the folder, an I/O error
+            return f"{self} cannot be read ({exc.strerror or exc})"
+        if stat.S_ISLNK(st.st_mode):
+            return f"{self} is a symbolic link; checkpoints never hold one"
+        if not stat.S_ISREG(st.st_mode):
+            return f"{self} is not a regular file"
+        if st.st_size != size:
+            return (
+                f"{self} is {st.st_size} bytes, the manifest says {size}: it was truncated or "
+                "altered"
+            )
+        return _sparse(self, st)
+
+    def problems(self, listed: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
+        found = []
+        for name, rec in sorted(listed.items()):
+            why = (self / name).file_problem(rec["size"])
+            if why is not None:
+                found.append((name, why))
+        try:
+            present = set(os.listdir(self))
+        except OSError as exc:  # gone meanwhile (pruned: the caller re-lists) or unreadable
+            return [*found, (self.name, f"{self} cannot be listed ({exc.strerror or exc})")]
+        for name in sorted(present - set(listed) - {MANIFEST}):
+            found.append((name, f"{self / name} is not listed in the manifest: something "
+                                "other than the save wrote there"))  # fmt: skip
+        return found
+
+    def read_capped(self, limit: int) -> bytes:
+        try:
+            fd = os.open(self, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise CorruptCheckpointError(
+                f"{self} is a symbolic link; checkpoints never are"
+            ) from None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(f"{self} is not a regular file")
+            if st.st_size > limit:
+                raise TooLarge(str(self), st.st_size)
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise TooLarge(str(self), None)
+        return data
+
+    def open_chunks(self) -> _FileChunks:
+        return _FileChunks(open(self, "rb", opener=_no_follow))
+
+    @contextlib.contextmanager
+    def create(self) -> Iterator[IO[bytes]]:
+        with writing(self, "writing", SAVE_FIX), open(self, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())

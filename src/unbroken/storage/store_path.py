@@ -1,0 +1,168 @@
+"""A checkpoint's files on an object store: :class:`StorePath`, the ``Location`` role for
+a key under a store's URL.
+
+An object store has no links, no sparse files and no folders of its own (a "folder" is a
+key prefix), so the rules a local disk needs reduce to: a listed object is there, of its
+recorded size. Objects under a step that its manifest does not list are no damage: they
+are a crashed or losing save's uploads, which a later save removes (``store_dir.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ..errors import CheckpointError
+from .interface import FileStat, Identity, TooLarge
+from .names import MANIFEST
+from .store import Store
+
+
+class _ObjectChunks:
+    """A :class:`~.interface.ChunkReader` of one object: parallel ranged reads."""
+
+    def __init__(self, path: StorePath) -> None:
+        self._path = path
+
+    def read_into(self, offset: int, buf: memoryview) -> int:
+        return self._path.store.read_into(self._path.key, offset, buf)
+
+    def close(self) -> None:
+        pass  # nothing stays open between requests
+
+
+class _Segments:
+    """A :class:`~.interface.FileSink` that keeps the segments for one upload."""
+
+    def __init__(self) -> None:
+        self.segments: list[memoryview] = []
+
+    def write(self, data: memoryview | bytes) -> int:
+        view = memoryview(data)
+        self.segments.append(view)
+        return view.nbytes
+
+
+class StorePath:
+    """A folder or object of a checkpoint on a store: ``str()`` is its URL, ``/`` joins.
+
+    ``tag`` (a save's id) travels with a partial save's step folder: each rank names
+    its shard object with it, so two saves of one step never write the same object.
+    """
+
+    __slots__ = ("key", "store", "tag")
+    remote = True
+
+    def __init__(self, store: Store, key: str, tag: str | None = None) -> None:
+        self.store = store
+        self.key = key.rstrip("/")
+        self.tag = tag
+
+    @classmethod
+    def parse(cls, url: str) -> StorePath:
+        store, key = Store.for_url(url)
+        if not key or ("/" not in key.strip("/") and store.is_s3):
+            raise CheckpointError(
+                f"{url}: name a folder inside a bucket (s3://BUCKET/FOLDER), not a bucket"
+            )
+        return cls(store, key)
+
+    def __truediv__(self, name: str) -> StorePath:
+        return StorePath(self.store, f"{self.key}/{name}")
+
+    @property
+    def name(self) -> str:
+        return self.key.rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> StorePath:
+        return StorePath(self.store, self.key.rsplit("/", 1)[0])
+
+    def __str__(self) -> str:
+        return self.store.url(self.key)
+
+    def __repr__(self) -> str:
+        return f"StorePath({str(self)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StorePath) and (self.store, self.key) == (other.store, other.key)
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def exists(self) -> bool:
+        return bool(self.store.listing(self.key)) or self.store.info(self.key) is not None
+
+    def resolve(self) -> StorePath:
+        return self  # a URL is absolute already
+
+    def is_link(self) -> bool:
+        return False  # object stores have no links
+
+    def is_dir(self) -> bool:
+        """Whether objects lie under this prefix."""
+        return bool(self.store.listing(self.key))
+
+    def has_file(self, name: str) -> bool:
+        return self.store.info((self / name).key) is not None
+
+    def identity(self) -> Identity | None:
+        """The identity (ETag) of the folder's manifest object, which a re-save or a
+        removal changes."""
+        info = self.store.info((self / MANIFEST).key)
+        return None if info is None else (0, 0, hash(info["etag"]))
+
+    def objects(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Every object under this prefix (recursively): (key relative to it, its size,
+        identity and age), by key."""
+        yield from sorted(self.store.listing(self.key).items())
+
+    def plain_files(self) -> dict[str, FileStat]:
+        return {
+            rel: FileStat(info["size"], info["size"])
+            for rel, info in self.objects()
+            if "/" not in rel
+        }
+
+    def file_problem(self, size: int) -> str | None:
+        info = self.store.info(self.key)
+        if info is None:
+            return f"{self} is missing"
+        if info["size"] != size:
+            return f"{self} is {info['size']} bytes, the manifest says {size}: it was truncated"
+        return None
+
+    def problems(self, listed: Mapping[str, Mapping[str, Any]]) -> list[tuple[str, str]]:
+        present = self.plain_files()
+        found = []
+        for name, rec in sorted(listed.items()):
+            if name not in present:
+                found.append((name, f"{self / name} is missing"))
+            elif present[name].size != rec["size"]:
+                found.append((name, f"{self / name} is {present[name].size} bytes, the "
+                                    f"manifest says {rec['size']}: it was truncated or "
+                                    "altered"))  # fmt: skip
+        return found
+
+    def read_capped(self, limit: int) -> bytes:
+        info = self.store.info(self.key)
+        if info is None:
+            raise FileNotFoundError(str(self))
+        if info["size"] > limit:
+            raise TooLarge(str(self), info["size"])
+        data = self.store.read(self.key)
+        if len(data) > limit:
+            raise TooLarge(str(self), None)
+        return data
+
+    def open_chunks(self) -> _ObjectChunks:
+        return _ObjectChunks(self)
+
+    @contextlib.contextmanager
+    def create(self) -> Iterator[_Segments]:
+        """The segments are uploaded from their own memory once the block ends (in
+        parallel parts where the store has them); nothing appears if it raises."""
+        sink = _Segments()
+        yield sink
+        self.store.upload(self.key, sink.segments)
