@@ -38,9 +38,9 @@ import unbroken as ub
 from docs_sections import HEALTH
 from health_scripts import BUGS, SCRIPTS, Progress, Script
 from report import Report
-from unbroken.checkpointer import METRICS_WINDOW
-from unbroken.proof import monitor
-from unbroken.proof.monitor import HORIZON, JUDGED, HealthCheck
+from unbroken.proof import health_check as monitor
+from unbroken.proof.health_check import HORIZON, JUDGED, HealthCheck
+from unbroken.proof.run_record import METRICS_WINDOW
 
 FIRST_CUT = 10  # the first cut point measured: below it a window hardly exists
 # Seeds measured: the monitor's constants were chosen on seeds 0, 2 and 3, never on these.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import time
@@ -19,15 +18,12 @@ from .live import probe
 from .live.components import as_step, build_components
 from .live.optimizer import OptimizerComponent
 from .live.stopping import StopPolicy
-from .proof.metrics import MetricLog
-from .proof.monitor import HealthCheck, check_metric_names
-from .proof.replay_check import ReplayCheck, ReplayVerdict
+from .proof.replay_check import ReplayVerdict
+from .proof.run_record import RunRecord
 from .report import RestoreReport
 from .storage.locate import checkpoint_dir
 
 logger = logging.getLogger(__name__)
-
-METRICS_WINDOW = 200
 
 
 class Checkpointer:
@@ -100,12 +96,15 @@ class Checkpointer:
         loss_metric: str = "loss",
         grad_norm_metric: str | None = "grad_norm",
     ) -> None:
-        check_metric_names(loss_metric, grad_norm_metric)
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
         if probe is not None and not callable(probe):
             raise TypeError(f"probe must be callable(model), got {type(probe).__name__}")
         self._dir = checkpoint_dir(path)
+        # The tracked metrics (rank 0 records them), the replay and health checks.
+        self._record = RunRecord(
+            self._dir.root, loss_metric=loss_metric, grad_norm_metric=grad_norm_metric
+        )
         self._model = model
         self._probe = probe
         self._keep_last = keep_last
@@ -117,22 +116,14 @@ class Checkpointer:
                 "run": uuid.uuid4().hex,  # this run's identity, kept across its resumes
                 "time": time.time(),
                 "world_size": collective.world_size(),
+                "segment": self._record.segment,  # its tracked steps in the metrics record
             }
         ]
-        # Rank 0 records every tracked step (metrics.jsonl, or objects on a store); the
-        # lineage names its segment.
-        self._metrics = MetricLog(
-            self._dir.root if collective.rank() == 0 else None, world_size=collective.world_size()
-        )
-        self._lineage[0]["segment"] = self._metrics.segment
         self._fork: int | None = None  # the step resumed from, until the first save commits
         self._overwrite = bool(overwrite)
         self._owns_folder = False  # restored from it, or saved into it: no other run's
         if self._overwrite:
             self._fork = -1  # the first save retires every step committed before it
-        self._replay: ReplayCheck | None = None
-        self._metric_names = (loss_metric, grad_norm_metric)
-        self._health: HealthCheck | None = None
         self._stop = StopPolicy(agree=collective.any_rank)
         self._closed = False
         mode = background.check_mode(async_save)
@@ -168,7 +159,7 @@ class Checkpointer:
             step=step,
             components=self._components,
             lineage=self._lineage,
-            metrics=self._metrics.window(step, METRICS_WINDOW),
+            metrics=self._record.window(step),
             probe=record,
             noted_per_rank=self._noted_per_rank,
             retire=retire,
@@ -185,7 +176,7 @@ class Checkpointer:
         self._fork = None  # the branch is committed; its abandoned steps are retired
         self._owns_folder = True
         retention.apply_retention(self._dir, staged.request.step, self._keep_last)
-        self._flush_metrics(strict=False)  # committed: a failure is a warning (see flush)
+        self._record.after_commit()  # committed: a failure is a warning
 
     def wait(self) -> None:
         """Wait for an in-flight asynchronous save; raise its error if it failed.
@@ -248,7 +239,10 @@ class Checkpointer:
         doc, chosen, report = done.doc, done.step, done.report
         # The metrics segment that saved the checkpoint: the replay check's reference.
         saved_by = doc["lineage"][-1].get("segment") if doc["lineage"] else None
-        self._metrics.load_window(doc.get("metrics", []), resumed_from=chosen, parent=saved_by)
+        self._record.resumed(
+            doc.get("metrics", []), from_step=chosen, saved_by=saved_by, world_size=world,
+            reset=sorted(reset_set), optimizers=self._restored_optimizers(report),
+        )  # fmt: skip
         self._lineage = [
             *doc["lineage"],
             {
@@ -258,34 +252,22 @@ class Checkpointer:
                 "world_size": world,
                 "reset": sorted(reset_set),
                 "skipped": sorted(skip_set & set(doc["components"])),
-                "segment": self._metrics.segment,
+                "segment": self._record.segment,
             },
         ]
         self._fork = chosen  # newer committed steps are retired by the first save
-        self._start_replay(chosen, saved_by, world, sorted(reset_set))
-        if self._health is not None:
-            self._health.close()
-        self._health = self._health_check(report, chosen)
         if collective.rank() == 0:
             logger.info("%s", report)
         return report
 
-    def _health_check(self, report: RestoreReport, resumed_from: int) -> HealthCheck:
-        """The post-resume check: the tracked metrics, and the optimizers just restored."""
-        optimizers = {
+    def _restored_optimizers(self, report: RestoreReport) -> dict[str | None, Any]:
+        """name -> optimizer that the restore restored: the health check watches them."""
+        return {
             name: opt
             for c in self._components
             if isinstance(c, OptimizerComponent) and report.components.get(c.name) == "restored"
             for name, opt in c.optimizers.items()
         }
-        loss, grad_norm = self._metric_names
-        return HealthCheck(
-            self._metrics.values,
-            resumed_from,
-            loss=loss,
-            grad_norm=grad_norm,
-            optimizers=optimizers,
-        )
 
     def track(self, step: int, **metrics: float | torch.Tensor) -> None:
         """Record scalar metrics of ``step`` (floats or 0-d tensors).
@@ -296,14 +278,7 @@ class Checkpointer:
         ones named ``loss_metric`` and ``grad_norm_metric`` feed the health check, whose
         finding (at most one per resume) is logged and kept in :attr:`warnings`.
         """
-        step = as_step(step)
-        self._metrics.track(step, metrics)
-        values = self._metrics.values[step]
-        if self._health is not None:
-            for warning in self._health.observe(step, values):
-                self._metrics.note(step, warning)
-        if self._replay is not None:
-            self._replay_decided(self._replay.observe(step, values))
+        self._record.track(as_step(step), metrics)
 
     @property
     def replay(self) -> ReplayVerdict | None:
@@ -311,15 +286,12 @@ class Checkpointer:
         had tracked after the restored checkpoint, compared bit for bit as they are
         tracked again. Decided on rank 0 (which records metrics); other ranks receive its
         verdict at each ``save()`` and at ``close()``."""
-        return dataclasses.replace(self._replay.verdict) if self._replay is not None else None
+        return self._record.replay
 
     @property
     def warnings(self) -> list[str]:
         """Warnings about the last resume: the health check's, and a replay difference."""
-        found = list(self._health.warnings) if self._health is not None else []
-        if self.replay is not None and self.replay.identical is False:
-            found.append(str(self.replay))
-        return found
+        return self._record.warnings
 
     def should_stop(self, step: int) -> bool:
         """True on every rank once SIGTERM/SIGUSR1 arrived, or at ``UNBROKEN_STOP_AT``."""
@@ -331,15 +303,10 @@ class Checkpointer:
             return
         self._closed = True
         try:
-            if self._health is not None:
-                self._health.close()
             self.wait()
-            if self._replay is not None:
-                self._replay_decided(self._replay.finish())
-                self._share_replay()
-            self._flush_metrics()
+            self._record.finish()  # the replay verdict decided and shared; fsynced
         finally:
-            self._metrics.close()
+            self._record.close()
             self._dir.finish_removals()
             self._stop.close()
             if self._saver is not None:
@@ -355,9 +322,6 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
 
-    def _flush_metrics(self, strict: bool = True) -> None:
-        collective.agree(lambda: self._metrics.flush(strict=strict), only_rank0=True)
-
     def _note_branch_and_replay(self) -> list[int]:
         """Before a save (collective): the abandoned steps this save retires, if it is the
         first since a resume from an older step, and the replay verdict so far, both in
@@ -366,30 +330,7 @@ class Checkpointer:
         if self._fork is not None:
             retire = branching.abandoned_steps(self._dir, self._fork)
             self._lineage = branching.amend_last_event(self._lineage, retired=retire)
-        if self._replay is not None:
-            self._share_replay()
-            self._lineage = branching.amend_last_event(
-                self._lineage, replay=self._replay.verdict.record()
-            )
+        replay = self._record.before_save()
+        if replay is not None:
+            self._lineage = branching.amend_last_event(self._lineage, replay=replay)
         return retire
-
-    def _start_replay(self, resumed: int, saved_by: str | None, world: int, reset: list) -> None:
-        built: list[ReplayCheck] = []  # rank 0's; the other ranks get its verdict
-
-        def verdict() -> ReplayVerdict | None:
-            built.append(ReplayCheck.from_file(self._dir.root, resumed, saved_by, world, reset))
-            return built[0].verdict
-
-        shared = collective.on_rank0(verdict)
-        self._replay = built[0] if built else ReplayCheck.passive(shared)
-
-    def _share_replay(self) -> None:
-        """Every rank adopts rank 0's verdict (collective)."""
-        assert self._replay is not None
-        verdict = collective.from_rank0(self._replay.verdict)
-        if collective.rank() != 0:
-            self._replay = ReplayCheck.passive(verdict)
-
-    def _replay_decided(self, verdict: ReplayVerdict | None) -> None:
-        if verdict is not None:
-            self._metrics.append({"segment": self._metrics.segment, "replay": verdict.record()})

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import Problem
-from unbroken.proof import monitor
+from unbroken.proof import health_check
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "health"
 
@@ -84,7 +84,7 @@ def test_a_missing_loss_metric_is_logged_once(ckpt_dir, caplog):
     """A loss_metric that is never tracked turns the metric check off, and says so."""
     _trained(ckpt_dir)
     q, ckpt = _resumed(ckpt_dir, loss_metric="train/loss")
-    with caplog.at_level(logging.WARNING, logger="unbroken.proof.monitor"):
+    with caplog.at_level(logging.WARNING, logger="unbroken.proof.health_check"):
         for step in range(31, 36):
             ckpt.track(step, loss=q.step())
     notes = [r.getMessage() for r in caplog.records if "no tracked metric named" in r.getMessage()]
@@ -225,7 +225,7 @@ def test_metric_check_quiet_on_the_recorded_exact_runs(name):
     fired = [
         k
         for k in range(10, len(loss))
-        if monitor.diagnose(
+        if health_check.diagnose(
             loss[max(0, k - 200) : k], loss[k : k + 50], gn[max(0, k - 200) : k], gn[k : k + 50]
         )
     ]
@@ -242,5 +242,5 @@ def test_metric_check_flags_the_recorded_visible_resets():
     for k, (after_loss, after_gn) in run["caught_resets"].items():
         k = int(k)
         before = slice(max(0, k - 200), k)
-        (warning,) = monitor.diagnose(loss[before], after_loss[:4], gn[before], after_gn[:4])
+        (warning,) = health_check.diagnose(loss[before], after_loss[:4], gn[before], after_gn[:4])
         assert warning.startswith("lost optimizer state suspected") and "spike" in warning

@@ -141,7 +141,7 @@ def test_background_upload_after_the_interval(url, monkeypatch):
     ckpt = p.checkpointer(url)
     try:
         ckpt.track(1, loss=p.step())
-        ckpt._metrics._objects._background.join(10)
+        ckpt._record._log._objects._background.join(10)
         assert read_series(url).steps("loss") == [1]
     finally:
         ckpt.close()
@@ -158,7 +158,7 @@ def test_uploads_fill_one_object_until_it_is_full(url, monkeypatch):
     with p.checkpointer(url) as ckpt:
         for step in range(1, 13):
             ckpt.track(step, loss=p.step())
-            ckpt._metrics.flush()
+            ckpt._record._log.flush()
     names = _metric_objects(url)
     assert 2 <= len(names) < 12, names
     assert read_series(url).steps("loss") == list(range(1, 13))

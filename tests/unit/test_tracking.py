@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import Problem
-from unbroken.proof import metrics, monitor
+from unbroken.proof import health_check, metrics
 from unbroken.proof.metrics import read_series
 
 
@@ -74,7 +74,7 @@ def test_a_failed_append_is_retried_and_never_tears_the_series(ckpt_dir, monkeyp
     lines are written by the next append, after a newline that ends any torn line."""
     ckpt = Problem().checkpointer(ckpt_dir)
     ckpt.track(1, loss=1.0)
-    real = ckpt._metrics._file.write
+    real = ckpt._record._log._file.write
     calls = []
 
     def full_disk(text):
@@ -82,7 +82,7 @@ def test_a_failed_append_is_retried_and_never_tears_the_series(ckpt_dir, monkeyp
         real(text[:7])  # half a line reached the file
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt._metrics._file, "write", full_disk)
+    monkeypatch.setattr(ckpt._record._log._file, "write", full_disk)
     ckpt.track(2, loss=2.0)  # no error here
     assert calls
     ckpt.track(3, loss=3.0)  # a fresh file handle: written
@@ -129,7 +129,7 @@ def _curve(n, start, rate, noise=0.0, seed=0):
 def test_health_check_quiet_on_a_continuing_curve():
     loss = _curve(60, 3.0, 0.03, noise=0.02)
     gn = _curve(60, 2.0, 0.01, noise=0.05, seed=1)
-    assert monitor.diagnose(loss[:30], loss[30:], gn[:30], gn[30:]) == []
+    assert health_check.diagnose(loss[:30], loss[30:], gn[:30], gn[30:]) == []
 
 
 def test_health_check_names_the_lost_optimizer_signature():
@@ -138,14 +138,14 @@ def test_health_check_names_the_lost_optimizer_signature():
     gn = _curve(30, 2.0, 0.01, noise=0.05, seed=1)
     after_loss = [loss[-1] * 1.6 + 0.01 * i for i in range(10)]
     after_gn = [gn[-1] * 0.4] * 10
-    (warning,) = monitor.diagnose(loss, after_loss, gn, after_gn)
+    (warning,) = health_check.diagnose(loss, after_loss, gn, after_gn)
     assert "lost optimizer state" in warning
 
 
 def test_health_check_flags_a_spike():
     loss = _curve(30, 3.0, 0.03, noise=0.02)
     after = [loss[-1] * 2.5, *loss[-1:] * 9]
-    (warning,) = monitor.diagnose(loss, after)
+    (warning,) = health_check.diagnose(loss, after)
     assert "loss spike" in warning
 
 
@@ -210,7 +210,8 @@ def test_health_check_quiet_on_the_recorded_correct_example(name, resume_at):
     run = _recorded(name)
     loss, gn = run["loss"], run["grad_norm"]
     assert (
-        monitor.diagnose(loss[:resume_at], loss[resume_at:], gn[:resume_at], gn[resume_at:]) == []
+        health_check.diagnose(loss[:resume_at], loss[resume_at:], gn[:resume_at], gn[resume_at:])
+        == []
     )
 
 
@@ -241,5 +242,5 @@ def test_health_check_flags_the_recorded_reset_optimizer_example(name):
     low LR at the resume only the gradient norm shows it."""
     run = _recorded(name)
     k, loss, gn = run["resumed_at"], run["loss"], run["grad_norm"]
-    (warning,) = monitor.diagnose(loss[:k], loss[k:], gn[:k], gn[k:])
+    (warning,) = health_check.diagnose(loss[:k], loss[k:], gn[:k], gn[k:])
     assert warning.startswith("lost optimizer state suspected")

@@ -1,5 +1,6 @@
-"""The resume proof: tracked metrics, the post-resume health check, plots, and the
-replay comparison behind ``unbroken.testing``.
+"""The resume proof: the run's record (tracked metrics, the replay check, the post-resume
+health check), plots, and the replay comparison behind ``unbroken.testing``.
 
-Imports ``live`` and ``format`` (never ``core``, ``tools`` or ``cli``).
+Imports ``core`` (collectives), ``live``, ``storage`` and ``format`` (never ``tools``
+or ``cli``).
 """

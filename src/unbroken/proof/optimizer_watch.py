@@ -29,6 +29,8 @@ from collections.abc import Mapping
 import torch
 from torch.distributed.tensor import DTensor
 
+from ..format import bitwise
+
 PARAMS = 4  # parameters watched per optimizer
 ELEMENTS = 8  # elements sampled per tensor
 
@@ -43,8 +45,13 @@ def _state_sample(state: Mapping) -> dict[str, torch.Tensor]:
     return {k: _sample(v) for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def _same(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (format/bitwise.py): a NaN equals itself, -0.0 differs from 0.0."""
+    return a.dtype == b.dtype and a.shape == b.shape and bitwise.equal(a, b)
+
+
+def _same_state(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
 
 
 def _step(sample: Mapping[str, torch.Tensor]) -> float | None:
@@ -93,12 +100,14 @@ class _Watched:
                     f"reset after the restore{was}; its state (e.g. Adam's moments) is gone "
                     "(see docs/health-check.md)"
                 )
-        if self.stepping or any(not _same(a, b) for a, b in zip(self.restored, now, strict=True)):
+        if self.stepping or any(
+            not _same_state(a, b) for a, b in zip(self.restored, now, strict=True)
+        ):
             self.stepping = True
             self.close()  # it is in use: nothing to watch any more
             return None
         params = [_sample(p) for p in self.params]
-        if any(not torch.equal(a, b) for a, b in zip(self.last, params, strict=True)):
+        if any(not _same(a, b) for a, b in zip(self.last, params, strict=True)):
             self.changes += 1
         self.last = params
         if self.changes >= 2:

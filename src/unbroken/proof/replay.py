@@ -5,10 +5,9 @@ bit, and the final checkpoints' fingerprints. The verdict behind ``unbroken.test
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 
-from ..format import manifest
+from ..format import bitwise, manifest
 from ..storage.interface import Location
 from ..storage.locate import checkpoint_dir
 from .generators import differing, label
@@ -132,10 +131,6 @@ def compare(straight: Location | Path, resumed: Location | Path, *, stop_at: int
     )
 
 
-def _same(x: float, y: float) -> bool:
-    return x == y or (math.isnan(x) and math.isnan(y))
-
-
 def _compare_series(a: Series, b: Series, stop_at: int, exact: bool, tolerance: float):
     """(first differing step, its description; steps compared; max deviation per metric)."""
     problems: list[tuple[int, str]] = []
@@ -151,7 +146,8 @@ def _compare_series(a: Series, b: Series, stop_at: int, exact: bool, tolerance: 
         deviation[name] = max((abs(xs[s] - ys[s]) for s in common), default=0.0)
         for s in common:
             x, y = xs[s], ys[s]
-            ok = _same(x, y) if exact else abs(x - y) <= tolerance * max(abs(x), 1e-12)
+            # Exact: bit for bit (-0.0 is not 0.0), any NaN equal to any NaN.
+            ok = bitwise.same_float(x, y) if exact else abs(x - y) <= tolerance * max(abs(x), 1e-12)
             if not ok:
                 beyond = "" if exact else f" (beyond the tolerance of {tolerance:g})"
                 problems.append(

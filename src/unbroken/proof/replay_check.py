@@ -3,11 +3,11 @@
 A run that crashed after its last save (or was rolled back to an older step) had already
 tracked some steps after the checkpoint it resumes from. Those records are the reference:
 as the resumed run tracks the same steps again, each metric must come out bit for bit the
-same (NaN equals NaN; -0.0 differs from 0.0), which proves the resume exact over real
-training steps at no extra cost. The reference is taken only from runs that continued
-from the very checkpoint restored (its lineage, followed through the metrics record's
-segment headers) and trained with the same world size; anything else is skipped, saying
-why.
+same (``format.bitwise.same_float``: NaN equals NaN; -0.0 differs from 0.0), which
+proves the resume exact over real training steps at no extra cost. The reference is
+taken only from runs that continued from the very checkpoint restored (its lineage,
+followed through the metrics record's segment headers) and trained with the same world
+size; anything else is skipped, saying why.
 """
 
 from __future__ import annotations
@@ -15,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
-import struct
 from collections.abc import Iterable
 from typing import Any
 
 from ..errors import CheckpointError
+from ..format import bitwise
 from ..storage.interface import Location
 from .metrics import record_lines, record_name
 
@@ -155,17 +154,11 @@ class ReplayCheck:
         return v
 
 
-def _same(a: float, b: float) -> bool:
-    if math.isnan(a) and math.isnan(b):
-        return True
-    return struct.pack("<d", a) == struct.pack("<d", b)
-
-
 def _difference(expected: dict[str, float], got: dict[str, float]) -> tuple[str, str] | None:
     for name in sorted(expected):
         if name not in got:
             return name, "recorded, but not tracked in the replay"
-        if not _same(expected[name], got[name]):
+        if not bitwise.same_float(expected[name], got[name]):
             return name, f"recorded {expected[name]!r}, replayed {got[name]!r}"
     return None
 

@@ -32,7 +32,7 @@ from .optimizer_watch import OptimizerWatch
 # measurement (python benchmarks/health_check.py).
 HORIZON = 50  # tracked steps after a resume the check watches, at most
 HISTORY = 200  # steps before the resume, at most, that are the reference (a checkpoint
-# keeps the last 200: METRICS_WINDOW)
+# keeps the last 200: run_record.METRICS_WINDOW)
 MIN_BEFORE = 20  # steps of saved window needed to judge the metrics at all
 LEVEL = 10  # steps whose median is the level before a point
 NOISE = 50  # steps whose step-to-step differences give the noise before a point
@@ -154,14 +154,14 @@ class HealthCheck:
 
     Args:
         window: step -> tracked metrics, as restored (steps up to ``resumed_from`` are
-            the reference; a checkpoint keeps the last ``METRICS_WINDOW``).
+            the reference; a checkpoint keeps the last ``run_record.METRICS_WINDOW``).
         resumed_from: the step the run resumed from.
         loss: the name of the tracked loss.
         grad_norm: the name of the tracked gradient norm, or None.
         optimizers: name -> optimizer that the resume restored, for the optimizer watch
             (None or empty: no watch).
 
-    Not thread-safe: feed it from the training loop (``Checkpointer.track`` does).
+    Not thread-safe: feed it from the training loop (``RunRecord.track`` does).
     """
 
     def __init__(
