@@ -1,11 +1,27 @@
-"""One restore: manifest -> load targets -> shard reads -> install -> verification."""
+"""One restore of a chosen checkpoint, as its phases (``resuming.py`` chooses it).
+
+::
+
+    plan            which components are restored, reset or absent (no I/O, no round)
+    targets         load targets built from the manifest, never from live lazy state;
+                    the snapshot (undo) begun, copying while the checkpoint is read
+    read and check  every chunk read and checksummed, every tensor fingerprinted and
+                    compared with the manifest; the snapshot completed. Nothing live
+                    has changed: damage here lets the caller fall back to an older step
+    install         each component's state installed, in order
+    verify live     the live objects hold exactly what was loaded; the probe matches
+    commit or       success keeps the installs; any failure after the first install
+    roll back       puts every live object back as it was (:class:`Transaction`)
+
+Each phase is collective and ends in one agreement round (``collective``): a failure on
+any rank raises on every rank, so no rank waits while another has left.
+"""
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,188 +35,82 @@ from ..errors import (
     IncompleteCheckpointError,
     StateMismatchError,
 )
-from ..format import manifest, schema, tree
+from ..format import manifest, tree
 from ..format.shards import ChunkLocation, ShardReader, quiet_single_process
 from ..live import exchange, probe, snapshot
+from ..live.components import component_prefix
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, live_tensors
 from ..report import RestoreReport
 from ..storage.interface import Location
 from . import collective, verify
-from .saving import component_prefix, unwrap
+from .saving import unwrap
 
 logger = logging.getLogger(__name__)
 
 
-def check_folder(folder: Location) -> dict[str, Any]:
-    """Read and validate a committed checkpoint's manifest and the files it lists.
+@dataclasses.dataclass
+class RestoreRequest:
+    """What the caller asked of a restore besides the step."""
 
-    The rules are storage's (``Location.problems``), which ``unbroken verify`` applies too.
-
-    Raises:
-        CorruptCheckpointError: naming the file that is missing, resized, sparse, a
-            link, not listed in the manifest, or unreadable (permissions).
-        CheckpointError: its tensor bytes are in another byte order than this machine's,
-            or its fingerprints use an algorithm this version does not know.
-    """
-    try:
-        return _check_folder(folder)
-    except CorruptCheckpointError:
-        raise
-    except OSError as exc:  # no permission, gone meanwhile: the checkpoint is unusable
-        raise CorruptCheckpointError(
-            f"{exc.filename or folder} cannot be read ({exc.strerror or exc}); fix its "
-            "permissions, or use an older step"
-        ) from None
+    reset: set[str]  # components to start fresh on purpose
+    skip: set[str]  # saved components not passed, left out on purpose
+    probe_fn: probe.Probe | None = None
+    model: Any = None  # what the probe is called with
 
 
-def _check_folder(folder: Location) -> dict[str, Any]:
-    doc = manifest.read(folder)  # refuses a linked folder or manifest
-    problems = folder.problems(doc["files"])
-    if problems:
-        raise CorruptCheckpointError(f"{problems[0][1]}; use an older step")
-    unreferenced = schema.unreferenced(doc)
-    if unreferenced:
-        raise CorruptCheckpointError(
-            f"{folder}: the manifest lists tensor(s) no component references "
-            f"({', '.join(unreferenced[:5])}): it was altered; use an older step"
-        )
-    manifest.require_native_byteorder(folder, doc)
-    manifest.require_known_fingerprints(folder, doc)
-    return doc
+@dataclasses.dataclass
+class Plan:
+    """What happens to each component (the same on every rank)."""
+
+    status: dict[str, str]  # name -> "restored" | "reset" | "absent"
+    active: list[Component]  # the components restored, in install order
+    warnings: list[str]
+    saved_world: int
+    world: int
 
 
-def read_manifest(folder: Location) -> dict[str, Any]:
-    """Rank 0 checks the folder (:func:`check_folder`); every rank gets the manifest."""
-    return collective.on_rank0(lambda: check_folder(folder))
+@dataclasses.dataclass
+class Targets:
+    """Where the checkpoint's bytes go on this rank."""
+
+    tensors: dict[str, torch.Tensor]  # key -> load target (new memory, or exchanged later)
+    skeletons: dict[str, Any]  # component -> its saved skeleton (this rank's)
+    saved: dict[str, dict[str, dict]]  # component -> its tensors' manifest entries
+    exchanges: dict[str, exchange.Exchange]  # models installed by exchanging bytes
+    snapshot: snapshot.Pending  # the undo, being taken while the checkpoint is read
+
+
+@dataclasses.dataclass
+class Loaded:
+    """What was read, checked and decoded, and the undo of every active component."""
+
+    states: dict[str, Any]  # component -> its decoded state
+    fingerprints: verify.LoadedFingerprints
+    read_whole: dict[str, ChunkLocation]  # key -> the chunk read straight into its target
+    undo: list[snapshot.Undo]  # in the order of Plan.active
 
 
 def restore(
-    folder: Location,
-    doc: dict[str, Any],
-    components: list[Component],
-    reset: set[str],
-    skip: set[str],
-    probe_fn: probe.Probe | None,
-    model: Any,
+    folder: Location, doc: dict[str, Any], components: list[Component], request: RestoreRequest
 ) -> RestoreReport:
-    """Load ``doc``'s checkpoint into the live components; collective across ranks."""
+    """Load ``doc``'s checkpoint (in ``folder``) into the live components; collective.
+
+    Raises:
+        CorruptCheckpointError: damage found while reading; nothing live changed.
+        IncompleteCheckpointError, StateMismatchError: the checkpoint does not fit the
+            live objects, or verification failed; every live object is as it was.
+    """
     started = time.perf_counter()
-    rank, world = collective.rank(), collective.world_size()
-    saved_world = doc["world_size"]
-    status, warnings = _plan(doc, components, reset, skip, saved_world, world)
-    active = [c for c in components if status[c.name] == "restored"]
-
-    skeletons: dict[str, Any] = {}
-    saved_keys: dict[str, dict[str, dict]] = {}
-    exchanges: dict[str, exchange.Exchange] = {}  # models installed by exchanging bytes
-
-    def build_targets() -> dict[str, torch.Tensor]:
-        targets: dict[str, torch.Tensor] = {}
-        for c in active:
-            entry = doc["components"][c.name]
-            skeleton = entry["ranks"][str(rank)] if entry.get("per_rank") else entry["state"]
-            skeletons[c.name] = skeleton
-            keys = {}
-            for key in tree.tensor_keys(skeleton):
-                if key not in doc["tensors"]:
-                    raise CorruptCheckpointError(
-                        f"{folder}: the manifest references tensor {key!r} but does not list "
-                        "it; the checkpoint is damaged"
-                    )
-                keys[key] = doc["tensors"][key]
-            saved_keys[c.name] = keys
-            if isinstance(c, OptimizerComponent):
-                c.check_coverage(skeleton)
-            if isinstance(c, ModelComponent):
-                live = live_tensors(c, component_prefix(c, rank))[1]
-                mine = c.targets(keys, live)
-                swap = c.exchange_plan(live, mine)
-                if swap is not None:
-                    exchanges[c.name] = swap
-            else:
-                mine = c.targets(keys, {})
-            targets.update(mine)
-        return targets
-
-    # The targets are new tensors: nothing live changes while the checkpoint is read, so
-    # the undo (a copy of the tensors of a model that is not exchanged) is made meanwhile.
-    prepared = collective.agree(
-        lambda: (build_targets(), snapshot.begin(active, {n: e.undo for n, e in exchanges.items()}))
-    )
-    assert prepared is not None
-    targets, undos = prepared
-    loaded = verify.LoadedFingerprints(targets, manifest.fingerprint_algorithm(doc))
-    reader = ShardReader(folder, doc["tensors"], on_loaded=loaded.loaded)
-    try:
-        with quiet_single_process():
-            dcp.load(
-                targets,
-                storage_reader=reader,
-                planner=DefaultLoadPlanner(),
-                no_dist=not collective.active(),
-            )
-    except BaseException as exc:
-        loaded.abandon()
-        if isinstance(exc, CheckpointException):
-            raise unwrap(exc, f"reading {folder}") from None
-        raise
-
-    # Damaged data (or a bug) is caught before anything live is touched, in one round:
-    # each rank's own verdict, and the sums of the ranks' shares of sharded tensors'
-    # fingerprints (in the manifest's order of keys: the same on every rank).
-    problems, sharded = loaded.check_local(doc["tensors"])
-    keys = list(doc["tensors"])
-
-    def checked_undos() -> list[snapshot.Undo]:
-        _raise_corrupt(problems, folder)
-        for swap in exchanges.values():
-            swap.check_ties(targets)
-        return undos()  # nothing live has changed up to here
-
-    undo, sums = collective.agree_summing(checked_undos, [sharded.get(k, 0) for k in keys])
-    summed = dict(zip(keys, sums, strict=True))
-    _raise_corrupt(loaded.check_sharded(doc["tensors"], summed), folder)  # same everywhere
-    assert undo is not None
-    states = {c.name: tree.decode(skeletons[c.name], targets) for c in active}
-    touched: list[int] = []  # indices into active whose install began
-    try:
-
-        def install() -> None:
-            for i, c in enumerate(active):
-                touched.append(i)
-                if c.name in exchanges:
-                    exchanges[c.name].install()
-                else:
-                    c.install(states[c.name])
-            touched.append(-1)  # every install finished
-
-        collective.agree(install)
-        checks = {
-            c.name: functools.partial(
-                _live_problems,
-                c,
-                skeletons[c.name],
-                saved_keys[c.name],
-                targets,
-                rank,
-                exchanges.get(c.name),
-                loaded,
-                reader.read_whole,
-            )
-            for c in active
-            if c.verify_live
-        }
-        probing = doc["probe"] if doc.get("probe") and probe_fn is not None else None
-        _agree_installed(checks, probing, lambda: probe.record(probe_fn, model), saved_world)
-    except BaseException as exc:
-        raising = None if touched[-1:] == [-1] or not touched else active[touched[-1]].name
-        _roll_back([(active[i], undo[i]) for i in touched if i >= 0], raising, exc)
-        raise
-    if probe_fn is not None and not doc.get("probe"):
-        warnings.append("a probe was given but the checkpoint recorded none; not checked")
-
-    if rank == 0:
+    plan = plan_components(doc, components, request)
+    targets = build_targets(folder, doc, plan)
+    loaded = read_and_check(folder, doc, plan, targets)
+    with Transaction(plan.active, loaded.undo) as transaction:
+        install(plan, targets, loaded, transaction)
+        verify_live(plan, targets, loaded, doc, request)
+    if request.probe_fn is not None and not doc.get("probe"):
+        plan.warnings.append("a probe was given but the checkpoint recorded none; not checked")
+    if collective.rank() == 0:
         logger.info(
             "restored step %d from %s in %.2fs", doc["step"], folder, time.perf_counter() - started
         )
@@ -208,64 +118,28 @@ def restore(
         step=doc["step"],
         restored=True,
         path=str(folder),
-        components=status,
+        components=plan.status,
         verified=True,
-        saved_world_size=saved_world,
-        world_size=world,
-        resharded=saved_world != world,
-        warnings=warnings,
+        saved_world_size=plan.saved_world,
+        world_size=plan.world,
+        resharded=plan.saved_world != plan.world,
+        warnings=plan.warnings,
     )
 
 
-def _roll_back(
-    touched: list[tuple[Component, snapshot.Undo]], raising: str | None, exc: BaseException
-) -> None:
-    """Put every component whose install began back as it was; the caller then re-raises
-    ``exc``, which now says so. ``raising`` names the component whose own install raised,
-    if any: putting it back is best effort. Raises if another cannot be put back."""
-    failed = {}
-    for c, put_back in reversed(touched):
-        try:
-            put_back()
-        except Exception as err:
-            failed[c.name] = f"{type(err).__name__}: {err}"
-    lost = [f"{name!r} ({why})" for name, why in failed.items() if name != raising]
-    if lost:
-        raise CheckpointError(
-            f"restore failed ({type(exc).__name__}: {exc}) after it began installing state, "
-            f"and {', '.join(lost)} could not be put back as it was: rebuild those objects "
-            "before training"
-        ) from exc
-    note = "nothing was changed: every live object was put back as it was before restore()"
-    if raising in failed:
-        note += (
-            f", except {raising!r}, whose load_state_dict raised and whose previous state "
-            f"could not be loaded back either ({failed[raising]}): check it"
-        )
-    if isinstance(exc, CheckpointError) and exc.args and isinstance(exc.args[0], str):
-        exc.args = (f"{exc.args[0]}\n({note})", *exc.args[1:])
-    else:
-        exc.add_note(note)
+# -- plan ---------------------------------------------------------------------------------
 
 
-def _raise_corrupt(problems: list[str], folder: Any) -> None:
-    if problems:
-        shown = "; ".join(f"{folder}: {p}" for p in problems[:5])
-        raise CorruptCheckpointError(f"{shown}; use an older step")
-
-
-def _plan(
-    doc: dict[str, Any],
-    components: list[Component],
-    reset: set[str],
-    skip: set[str],
-    saved_world: int,
-    world: int,
-) -> tuple[dict[str, str], list[str]]:
+def plan_components(
+    doc: dict[str, Any], components: list[Component], request: RestoreRequest
+) -> Plan:
+    """Restored, reset or absent, per component; an error for anything passed that the
+    checkpoint lacks, or saved that was not passed, unless asked for on purpose."""
+    saved_world, world = doc["world_size"], collective.world_size()
     status: dict[str, str] = {}
     warnings: list[str] = []
     for c in components:
-        if c.name in reset:
+        if c.name in request.reset:
             status[c.name] = "reset"
             logger.warning("component %r starts fresh on request (reset)", c.name)
             continue
@@ -283,7 +157,7 @@ def _plan(
             )
         status[c.name] = "restored"
     not_passed = [name for name in doc["components"] if name not in status]
-    unexpected = [name for name in not_passed if name not in skip]
+    unexpected = [name for name in not_passed if name not in request.skip]
     if unexpected:
         listed = ", ".join(repr(n) for n in unexpected)
         raise StateMismatchError(
@@ -296,63 +170,154 @@ def _plan(
     for name in not_passed:
         status[name] = "absent"
         warnings.append(f"{name!r} left out on request (skip): it will not be in new checkpoints")
-    return status, warnings
+    active = [c for c in components if status[c.name] == "restored"]
+    return Plan(status, active, warnings, saved_world, world)
 
 
-def _live_problems(
-    c: Component,
-    skeleton: Any,
-    keys: dict[str, dict],
-    targets: dict,
-    rank: int,
-    swap: exchange.Exchange | None,
-    loaded: verify.LoadedFingerprints,
-    read_whole: dict[str, ChunkLocation],
-) -> list[str]:
-    """Problems of the component's live state, compared with what was loaded (no
-    collective). Where ``swap`` installed it by exchanging bytes, the targets of its keys
-    now hold the previous values: those are compared with the checksums of the chunks
-    read whole into them, else with their ``loaded`` fingerprints."""
-    live_skeleton, live = live_tensors(c, component_prefix(c, rank))
-    if swap is None:
-        problems = verify.compare_installed(keys, targets, live)
-    else:
-        expected = {**targets, **{k: live[k] for k in swap.keys if k in live}}
-        problems = verify.compare_installed(keys, expected, live)
-        problems += verify.compare_exchanged(
-            swap.keys, loaded.partials, live, loaded.algorithm, read_whole
-        )
-    where = None if problems else tree.difference(skeleton, live_skeleton, c.name)
-    if where is not None:
-        problems.append(
-            f"{c.name}: non-tensor state (hyperparameters, structure, types) differs from "
-            f"the saved one at {where}"
-        )
-    return problems
+# -- targets ------------------------------------------------------------------------------
 
 
-def _agree_installed(
-    checks: dict[str, Callable[[], list[str]]],
-    recorded_probe: dict[str, Any] | None,
-    run_probe: Callable[[], dict[str, Any]],
-    saved_world: int,
+def build_targets(folder: Location, doc: dict[str, Any], plan: Plan) -> Targets:
+    """Load targets for every saved tensor of the active components, shaped by the
+    manifest (DESIGN.md F1), and the snapshot begun; one agreement round.
+
+    The targets are new tensors (or, for a model installed by exchange, swapped in only
+    at install), so nothing live changes while the checkpoint is read, and the undo (a
+    copy of a model that is not exchanged) is made meanwhile."""
+    rank = collective.rank()
+
+    def build() -> Targets:
+        tensors: dict[str, torch.Tensor] = {}
+        skeletons: dict[str, Any] = {}
+        saved: dict[str, dict[str, dict]] = {}
+        exchanges: dict[str, exchange.Exchange] = {}
+        for c in plan.active:
+            entry = doc["components"][c.name]
+            skeleton = entry["ranks"][str(rank)] if entry.get("per_rank") else entry["state"]
+            keys = {}
+            for key in tree.tensor_keys(skeleton):
+                if key not in doc["tensors"]:
+                    raise CorruptCheckpointError(
+                        f"{folder}: the manifest references tensor {key!r} but does not list "
+                        "it; the checkpoint is damaged"
+                    )
+                keys[key] = doc["tensors"][key]
+            skeletons[c.name], saved[c.name] = skeleton, keys
+            if isinstance(c, OptimizerComponent):
+                c.check_coverage(skeleton)
+            if isinstance(c, ModelComponent):
+                live = live_tensors(c, component_prefix(c, rank))[1]
+                mine = c.targets(keys, live)
+                swap = c.exchange_plan(live, mine)
+                if swap is not None:
+                    exchanges[c.name] = swap
+            else:
+                mine = c.targets(keys, {})
+            tensors.update(mine)
+        undos = {name: swap.undo for name, swap in exchanges.items()}
+        return Targets(tensors, skeletons, saved, exchanges, snapshot.begin(plan.active, undos))
+
+    targets = collective.agree(build)
+    assert targets is not None
+    return targets
+
+
+# -- read and check -----------------------------------------------------------------------
+
+
+def read_and_check(folder: Location, doc: dict[str, Any], plan: Plan, targets: Targets) -> Loaded:
+    """Read every chunk into its target (checksummed as it is read), fingerprint each
+    tensor as it completes, compare with the manifest, and complete the snapshot: one
+    agreement round for this rank's verdicts, the sharded tensors' fingerprint shares
+    added up in the same round. Raises ``CorruptCheckpointError`` before anything live
+    changes."""
+    loaded = verify.LoadedFingerprints(targets.tensors, manifest.fingerprint_algorithm(doc))
+    reader = ShardReader(folder, doc["tensors"], on_loaded=loaded.loaded)
+    try:
+        with quiet_single_process():
+            dcp.load(
+                targets.tensors,
+                storage_reader=reader,
+                planner=DefaultLoadPlanner(),
+                no_dist=not collective.active(),
+            )
+    except BaseException as exc:
+        loaded.abandon()
+        if isinstance(exc, CheckpointException):
+            raise unwrap(exc, f"reading {folder}") from None
+        raise
+    problems, sharded = loaded.check_local(doc["tensors"])
+    keys = list(doc["tensors"])  # the manifest's order: the same on every rank
+
+    def checked() -> list[snapshot.Undo]:
+        _raise_corrupt(problems, folder)
+        for swap in targets.exchanges.values():
+            swap.check_ties(targets.tensors)
+        return targets.snapshot.collect()  # nothing live has changed up to here
+
+    undo, sums = collective.agree_summing(checked, [sharded.get(k, 0) for k in keys])
+    _raise_corrupt(loaded.check_sharded(doc["tensors"], dict(zip(keys, sums, strict=True))), folder)
+    assert undo is not None
+    states = {c.name: tree.decode(targets.skeletons[c.name], targets.tensors) for c in plan.active}
+    return Loaded(states, loaded, reader.read_whole, undo)
+
+
+def _raise_corrupt(problems: list[str], folder: Location) -> None:
+    if problems:
+        shown = "; ".join(f"{folder}: {p}" for p in problems[:5])
+        raise CorruptCheckpointError(f"{shown}; use an older step")
+
+
+# -- install ------------------------------------------------------------------------------
+
+
+def install(plan: Plan, targets: Targets, loaded: Loaded, transaction: Transaction) -> None:
+    """Install each component's loaded state, in order: a model by exchanging bytes where
+    that is what ``load_state_dict`` would do, else through ``load_state_dict`` (hooks and
+    all); one agreement round."""
+
+    def each() -> None:
+        for c in plan.active:
+            transaction.begin(c.name)
+            if c.name in targets.exchanges:
+                targets.exchanges[c.name].install()
+            else:
+                c.install(loaded.states[c.name])
+        transaction.installed()
+
+    collective.agree(each)
+
+
+# -- verify live --------------------------------------------------------------------------
+
+
+def verify_live(
+    plan: Plan, targets: Targets, loaded: Loaded, doc: dict[str, Any], request: RestoreRequest
 ) -> None:
-    """Check every component's live state (``checks``: name -> its problems) and, if the
-    checkpoint recorded one, the probe; raise on every rank if any rank found a problem.
-    One round for all of them. A failed check names the tensor: it is reported before any
-    rank's probe mismatch."""
-    # Every rank runs every check and the probe, whatever its own earlier ones found:
-    # capturing an FSDP1 optimizer's state, or a sharded model's forward, is collective.
+    """Every active component's live state equals what was loaded, and the probe (if the
+    checkpoint recorded one) gives the recorded value; one agreement round.
+
+    Every rank runs every check and the probe whatever its own earlier ones found:
+    capturing an FSDP1 optimizer's state, or a sharded model's forward, is collective. A
+    failed check names the tensor: it is reported before any rank's probe mismatch."""
     failure: Exception | None = None
-    for name, problems in checks.items():
+    for c in plan.active:
+        if not c.verify_live:
+            continue
         try:
-            verify.raise_problems(problems(), repr(name))
+            problems = verify.live_problems(
+                c, targets.skeletons[c.name], targets.saved[c.name], targets.tensors,
+                targets.exchanges.get(c.name), loaded.fingerprints, loaded.read_whole,
+            )  # fmt: skip
+            verify.raise_problems(problems, repr(c.name))
         except Exception as exc:
             failure = failure or exc
     mismatch = None
-    if recorded_probe is not None:
+    if doc.get("probe") and request.probe_fn is not None:
         try:
-            mismatch = _probe_mismatch(recorded_probe, run_probe(), saved_world)
+            value = probe.record(request.probe_fn, request.model)
+            same_world = plan.saved_world == plan.world
+            mismatch = probe.mismatch(doc["probe"], value, collective.rank() if same_world else 0)
         except Exception as exc:  # a probe that fails on one rank fails on every rank
             failure = failure or exc
 
@@ -367,16 +332,64 @@ def _agree_installed(
             raise StateMismatchError(message if mine else f"[rank {r}] {message}")
 
 
-def _probe_mismatch(
-    recorded: dict[str, Any], value: dict[str, Any], saved_world: int
-) -> str | None:
-    """What is wrong with the probe's value after restore, or None if it is the saved one."""
-    same_world = saved_world == collective.world_size()
-    expected = recorded["ranks"][collective.rank() if same_world else 0]
-    if value == expected:
-        return None
-    return (
-        f"the probe differs after restore: saved {probe.describe(expected)}, now "
-        f"{probe.describe(value)}. The weights the forward pass uses are not the ones saved: "
-        "something installs them late (after the first step, say); see the probe in the README"
-    )
+# -- commit or roll back ------------------------------------------------------------------
+
+
+class Transaction:
+    """The installs of one restore: kept when the block ends normally (commit); on any
+    exception, every component whose install began is put back as it was (roll back), and
+    the exception, which then says so, goes on to the caller.
+
+    Args:
+        active: the components in install order.
+        undo: their undos, in the same order (``snapshot``).
+    """
+
+    def __init__(self, active: list[Component], undo: list[snapshot.Undo]) -> None:
+        self._undo = dict(zip((c.name for c in active), undo, strict=True))
+        self._begun: list[str] = []  # components whose install began, in order
+        self._finished = False
+
+    def begin(self, name: str) -> None:
+        """``name``'s install starts now (from here on it is put back on failure)."""
+        self._begun.append(name)
+
+    def installed(self) -> None:
+        """Every install finished (a later failure is in verification, not an install)."""
+        self._finished = True
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None:
+            raising = None if self._finished or not self._begun else self._begun[-1]
+            self._roll_back(raising, exc)
+
+    def _roll_back(self, raising: str | None, exc: BaseException) -> None:
+        """Put every begun component back, newest first. ``raising`` names the component
+        whose own install raised, if any: putting it back is best effort. Raises if
+        another cannot be put back; else adds what was done to ``exc``."""
+        failed = {}
+        for name in reversed(self._begun):
+            try:
+                self._undo[name]()
+            except Exception as err:
+                failed[name] = f"{type(err).__name__}: {err}"
+        lost = [f"{name!r} ({why})" for name, why in failed.items() if name != raising]
+        if lost:
+            raise CheckpointError(
+                f"restore failed ({type(exc).__name__}: {exc}) after it began installing "
+                f"state, and {', '.join(lost)} could not be put back as it was: rebuild "
+                "those objects before training"
+            ) from exc
+        note = "nothing was changed: every live object was put back as it was before restore()"
+        if raising in failed:
+            note += (
+                f", except {raising!r}, whose load_state_dict raised and whose previous state "
+                f"could not be loaded back either ({failed[raising]}): check it"
+            )
+        if isinstance(exc, CheckpointError) and exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"{exc.args[0]}\n({note})", *exc.args[1:])
+        else:
+            exc.add_note(note)

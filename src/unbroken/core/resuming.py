@@ -14,10 +14,11 @@ import os
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..format.folder_check import check_folder
 from ..live import probe
 from ..live.state import Component
 from ..report import RestoreReport
-from ..storage.interface import CheckpointDir
+from ..storage.interface import CheckpointDir, Location
 from ..storage.names import MANIFEST, folder_step
 from . import collective, restoring
 from .candidates import Candidates
@@ -90,11 +91,12 @@ def resume(
             found=found,
         )
         return Resumed(report)
+    request = restoring.RestoreRequest(reset, skip, probe_fn, model)
     for chosen in candidates:
         folder = ckdir.step_path(chosen)
         try:
-            doc = restoring.read_manifest(folder)
-            report = restoring.restore(folder, doc, components, reset, skip, probe_fn, model)
+            doc = read_manifest(folder)
+            report = restoring.restore(folder, doc, components, request)
         except CorruptCheckpointError as exc:
             if candidates.relisted():  # pruned or re-saved meanwhile: no damage
                 continue
@@ -112,6 +114,11 @@ def resume(
         report.warnings[:0] = skipped
         return Resumed(dataclasses.replace(report, searched=str(ckdir.root)), doc, chosen)
     raise AssertionError("unreachable")
+
+
+def read_manifest(folder: Location) -> dict[str, Any]:
+    """Rank 0 checks the folder (``format.folder_check``); every rank gets the manifest."""
+    return collective.on_rank0(lambda: check_folder(folder))
 
 
 def check_no_other_run(ckdir: CheckpointDir) -> None:

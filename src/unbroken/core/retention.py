@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from ..format.folder_check import check_folder
 from ..storage.interface import CheckpointDir
 from . import collective
-from .restoring import check_folder
 
 
 def apply_retention(ckdir: CheckpointDir, newest: int, keep_last: int | None) -> None:

@@ -27,6 +27,7 @@ from ..errors import CheckpointError
 from ..format import fingerprint, layout, manifest, tree
 from ..format.shard_writer import ShardWriter, write_files
 from ..format.shards import quiet_single_process
+from ..live.components import rank_prefix
 from ..live.state import Component, ModelComponent, StatefulComponent, device_kind
 from ..storage.interface import CheckpointDir, Location
 from ..storage.posix import free_space
@@ -61,15 +62,6 @@ class Staged:
     # Live tensors not yet copied (async_save="overlap"): ``flat`` holds them until a copy
     # in the background replaces them (core/background.py).
     deferred: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-
-
-def rank_prefix(name: str, rank: int) -> str:
-    """The tensor-key prefix of ``rank``'s state of a component saved per rank."""
-    return f"{name}/rank_{rank:05d}"
-
-
-def component_prefix(component: Component, rank: int) -> str:
-    return rank_prefix(component.name, rank) if component.per_rank else component.name
 
 
 def stage(

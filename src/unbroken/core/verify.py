@@ -1,4 +1,5 @@
-"""Fingerprints of flat state across ranks, and their comparison after a restore.
+"""Fingerprints of flat state across ranks, and the checks of a restore: the loaded
+tensors against the manifest, the live objects against what was loaded.
 
 Whole (unsharded) tensors are fingerprinted where they live; a ``DTensor`` contributes
 the partial sum of its local shard, once per distinct shard (replicas skip), and the
@@ -15,7 +16,10 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..errors import CheckpointError, StateMismatchError
-from ..format import bitwise, fingerprint, layout, shards
+from ..format import bitwise, fingerprint, layout, shards, tree
+from ..live.components import component_prefix
+from ..live.exchange import Exchange
+from ..live.state import Component, live_tensors
 from . import collective
 
 
@@ -205,6 +209,37 @@ def compare_exchanged(
             same = expected is None or held_partial(live[key], algorithm) == expected
         if not same:
             problems.append(f"{key}: the live value differs from the loaded one after restore")
+    return problems
+
+
+def live_problems(
+    c: Component,
+    skeleton: Any,
+    saved: Mapping[str, dict[str, Any]],
+    targets: Mapping[str, torch.Tensor],
+    swap: Exchange | None,
+    loaded: LoadedFingerprints,
+    read_whole: Mapping[str, shards.ChunkLocation],
+) -> list[str]:
+    """What differs between the component's live state after its install and what was
+    loaded for it (no collective): values, dtypes, shapes, strides (:func:`compare_installed`)
+    and non-tensor state. Where ``swap`` installed it by exchanging bytes, the targets of
+    its keys now hold the previous values: those are checked by :func:`compare_exchanged`."""
+    live_skeleton, live = live_tensors(c, component_prefix(c, collective.rank()))
+    if swap is None:
+        problems = compare_installed(saved, targets, live)
+    else:
+        expected = {**targets, **{k: live[k] for k in swap.keys if k in live}}
+        problems = compare_installed(saved, expected, live)
+        problems += compare_exchanged(
+            swap.keys, loaded.partials, live, loaded.algorithm, read_whole
+        )
+    where = None if problems else tree.difference(skeleton, live_skeleton, c.name)
+    if where is not None:
+        problems.append(
+            f"{c.name}: non-tensor state (hyperparameters, structure, types) differs from "
+            f"the saved one at {where}"
+        )
     return problems
 
 

@@ -19,6 +19,16 @@ from .state import Component, ModelComponent, StatefulComponent
 BUILTIN_COMPONENTS = ("model", "optimizer", "scheduler", "dataloader", "rng")
 
 
+def rank_prefix(name: str, rank: int) -> str:
+    """The tensor-key prefix of ``rank``'s state of a component saved per rank."""
+    return f"{name}/rank_{rank:05d}"
+
+
+def component_prefix(component: Component, rank: int) -> str:
+    """The tensor-key prefix of ``component``'s state on ``rank``."""
+    return rank_prefix(component.name, rank) if component.per_rank else component.name
+
+
 def build_components(
     model: nn.Module | Mapping[str, nn.Module],
     optimizer: Any,

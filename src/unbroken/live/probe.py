@@ -59,3 +59,16 @@ def describe(value: dict[str, Any]) -> str:
     vals = value["values"]
     shown = ", ".join(str(v) for v in vals[:4]) + (", ..." if len(vals) > 4 else "")
     return f"{value['dtype']}{value['shape']} [{shown}]"
+
+
+def mismatch(recorded: dict[str, Any], value: dict[str, Any], rank: int) -> str | None:
+    """What is wrong with the probe's ``value`` after a restore, compared with the one
+    ``rank`` recorded at save; None if it is the same."""
+    expected = recorded["ranks"][rank]
+    if value == expected:
+        return None
+    return (
+        f"the probe differs after restore: saved {describe(expected)}, now "
+        f"{describe(value)}. The weights the forward pass uses are not the ones saved: "
+        "something installs them late (after the first step, say); see the probe in the README"
+    )

@@ -26,17 +26,26 @@ from .state import Component, ModelComponent
 Undo = Callable[[], None]
 
 
-def begin(
-    components: Sequence[Component], given: Mapping[str, Undo] | None = None
-) -> Callable[[], list[Undo]]:
-    """Start taking the undos of ``components``, to be collected (in order) by calling the
-    result, before anything is installed; an undo raises if the previous state cannot be
-    put back. ``given``: undos the caller already has, by component name (a model
+class Pending:
+    """Undos being taken (:func:`begin`); :meth:`collect` waits for them."""
+
+    def __init__(self, collect: Callable[[], list[Undo]]) -> None:
+        self._collect = collect
+
+    def collect(self) -> list[Undo]:
+        """The undos, in the order of the components given to :func:`begin`."""
+        return self._collect()
+
+
+def begin(components: Sequence[Component], given: Mapping[str, Undo] | None = None) -> Pending:
+    """Start taking the undos of ``components``, to be collected (in order) with
+    :meth:`Pending.collect` before anything is installed; an undo raises if the previous
+    state cannot be put back. ``given``: undos the caller already has, by component name (a model
     installed by exchanging bytes keeps its previous values itself). Each other
     component's state is captured here, in the calling thread (a capture may be
     collective); a model's tensors are cloned in a background thread meanwhile,
     overlapping whatever the caller does next (the read). The live objects must not
-    change until the result is called."""
+    change until the undos are collected."""
     given = given or {}
     models = {
         i: c.capture()
@@ -60,7 +69,7 @@ def begin(
             others[i] if i in others else _reinstall(c, copies[i]) for i, c in enumerate(components)
         ]
 
-    return collect
+    return Pending(collect)
 
 
 def _take(component: Component) -> Undo:
