@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -16,28 +17,62 @@ from .report import RestoreReport
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
+    from .tools.comparison import DiffReport, diff_checkpoints
+    from .tools.exporting import ExportResult, export_checkpoint
+    from .tools.importing import ImportResult, import_checkpoint
+    from .tools.inspection import CheckpointInspection, RunInspection, inspect_checkpoint
+    from .tools.verification import CheckpointVerification, VerifyReport, verify_checkpoint
 
 __all__ = [
     "CheckpointError",
+    "CheckpointInspection",
     "CheckpointNotFoundError",
+    "CheckpointVerification",
     "Checkpointer",
     "CorruptCheckpointError",
+    "DiffReport",
+    "ExportResult",
+    "ImportResult",
     "IncompleteCheckpointError",
     "RestoreReport",
+    "RunInspection",
     "StateMismatchError",
+    "VerifyReport",
     "__version__",
+    "diff_checkpoints",
+    "export_checkpoint",
+    "import_checkpoint",
+    "inspect_checkpoint",
+    "verify_checkpoint",
 ]
+
+# Loaded on first use: Checkpointer and most tools import torch (seconds), so that
+# `import unbroken`, `unbroken --help` and the error classes cost nothing, and
+# inspect_checkpoint on a run folder never needs torch.
+_LAZY = {
+    "Checkpointer": ".checkpointer",
+    "CheckpointInspection": ".tools.inspection",
+    "CheckpointVerification": ".tools.verification",
+    "DiffReport": ".tools.comparison",
+    "ExportResult": ".tools.exporting",
+    "ImportResult": ".tools.importing",
+    "RunInspection": ".tools.inspection",
+    "VerifyReport": ".tools.verification",
+    "diff_checkpoints": ".tools.comparison",
+    "export_checkpoint": ".tools.exporting",
+    "import_checkpoint": ".tools.importing",
+    "inspect_checkpoint": ".tools.inspection",
+    "verify_checkpoint": ".tools.verification",
+}
 
 
 def __getattr__(name: str) -> Any:
-    # Checkpointer imports torch (seconds); loaded on first use, so that `unbroken --help`
-    # and the error classes cost nothing.
-    if name == "Checkpointer":
-        from .checkpointer import Checkpointer
-
-        globals()["Checkpointer"] = Checkpointer
-        return Checkpointer
-    raise AttributeError(f"module 'unbroken' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'unbroken' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
 
 
 def __dir__() -> list[str]:

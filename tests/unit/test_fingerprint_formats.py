@@ -18,8 +18,8 @@ import unbroken as ub
 from conftest import Problem, assert_same_training_state
 from unbroken.format import fingerprint as fp
 from unbroken.format import manifest
-from unbroken.tools.audit import audit
 from unbroken.tools.comparison import diff
+from unbroken.tools.verification import verify_folder as audit
 
 
 def _trained(ckpt_dir, steps: int = 3) -> Problem:

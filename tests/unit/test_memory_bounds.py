@@ -21,7 +21,7 @@ import pytest
 import manifest_fuzz as fuzz
 import unbroken as ub
 from conftest import Problem
-from unbroken.tools.audit import audit
+from unbroken.tools.verification import verify_folder as audit
 
 LIMIT_MB = 32  # each hostile checkpoint below cost 70-310 MB before the bounds
 

@@ -30,7 +30,7 @@ CHILD = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     import unbroken as ub
     from conftest import Problem, assert_same_training_state
-    from unbroken.tools.audit import audit
+    from unbroken.tools.verification import verify_folder as audit
 
     cases, out = {cases!r}, {{}}
     try:

@@ -1,5 +1,9 @@
 """Shared plumbing of the commands: exit codes, error reporting, JSON, progress, formats.
 
+Each command is a thin shell over a public function (``unbroken.inspect_checkpoint`` and
+the rest): it parses options, calls it, prints the result (a table, or with ``--json``
+the result's ``to_dict()``) and sets the exit code.
+
 Nothing here imports torch: ``unbroken --help`` must answer at once, so each command
 imports its library modules inside the command function.
 """
@@ -7,11 +11,9 @@ imports its library modules inside the command function.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import datetime
 import inspect
 import json
-import math
 import sys
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any
@@ -29,6 +31,7 @@ from rich.progress import (
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from ..errors import CheckpointError, CheckpointNotFoundError
+from ..tools.reporting import jsonable
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a check failed, a difference was found, or the operation failed
@@ -115,29 +118,16 @@ def usage_error(exc: BaseException) -> typer.Exit:
     return typer.Exit(EXIT_USAGE)
 
 
-def jsonable(obj: Any) -> Any:
-    """Dataclasses, paths and non-finite floats made JSON-safe (NaN -> "nan")."""
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-    if isinstance(obj, dict):
-        return {str(k): jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [jsonable(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return repr(obj)
-    if obj is None or isinstance(obj, bool | int | float | str):
-        return obj
-    return str(obj)
-
-
 def emit_json(obj: Any) -> None:
+    """``obj`` as JSON on stdout (a tool's result: its ``to_dict()``)."""
     sys.stdout.write(json.dumps(jsonable(obj), indent=2, allow_nan=False) + "\n")
     sys.stdout.flush()
 
 
 @contextlib.contextmanager
-def progress(description: str, total: int, *, unit: str = "bytes") -> Iterator[Callable]:
-    """A progress bar on stderr (shown on terminals only); yields ``advance(n)``."""
+def progress(description: str, *, unit: str = "bytes") -> Iterator[Callable[[int, int], None]]:
+    """A progress bar on stderr (shown on terminals only); yields the ``progress(done,
+    total)`` callback the library functions take."""
     console = stderr()
     count = DownloadColumn() if unit == "bytes" else MofNCompleteColumn()
     bar = Progress(
@@ -150,8 +140,8 @@ def progress(description: str, total: int, *, unit: str = "bytes") -> Iterator[C
         disable=not console.is_terminal,
     )
     with bar:
-        task = bar.add_task(description, total=total)
-        yield lambda n=1: bar.advance(task, n)
+        task = bar.add_task(description, total=None)
+        yield lambda done, total: bar.update(task, completed=done, total=total)
 
 
 def human_bytes(n: int | None) -> str:

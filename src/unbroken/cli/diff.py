@@ -48,17 +48,12 @@ def diff_command(
     ] = None,
     as_json: JsonOption = False,
 ) -> None:
-    from ..format import manifest
-    from ..tools.comparison import diff
-    from ..tools.inspection import locate
+    from ..tools.comparison import diff_checkpoints
 
-    with guard():
-        fa, fb = locate(a), locate(b)
-        total = len(set(manifest.read(fa)["tensors"]) | set(manifest.read(fb)["tensors"]))
-        with progress("comparing", total, unit="tensors") as advance:
-            report = diff(fa, fb, full=full, ignore=frozenset(ignore or ()), on_tensor=advance)
+    with guard(), progress("comparing", unit="tensors") as advance:
+        report = diff_checkpoints(a, b, full=full, ignore=ignore or (), progress=advance)
     if as_json:
-        emit_json({"identical": report.identical, **report.__dict__})
+        emit_json(report.to_dict())
     else:
         _print(report)
     if not report.identical:

@@ -53,21 +53,13 @@ def export_command(
     step: StepOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    from ..format import manifest
-    from ..tools.exporting import EXPORT_DTYPES, export_safetensors
-    from ..tools.inspection import locate, model_fqns
+    from ..tools.exporting import export_checkpoint
 
-    with guard():
-        folder = locate(path, step)
-        doc = manifest.read(folder)
-        total = sum(
-            c["length"] for key in model_fqns(doc).values() for c in doc["tensors"][key]["chunks"]
-        )
-        target = EXPORT_DTYPES[dtype.value] if dtype is not None else None
-        with progress("exporting", total) as advance:
-            result = export_safetensors(folder, to, dtype=target, on_bytes=advance)
+    with guard(), progress("exporting") as advance:
+        cast = dtype.value if dtype is not None else None
+        result = export_checkpoint(path, to, dtype=cast, step=step, progress=advance)
     if as_json:
-        emit_json(result)
+        emit_json(result.to_dict())
         return
     console = stdout()
     console.print(

@@ -101,7 +101,7 @@ def import_command(
         except ValueError as exc:  # no step known, DIR already holds it
             raise usage_error(exc) from None
     if as_json:
-        emit_json(result)
+        emit_json(result.to_dict())
         return
     stdout().print(
         f"imported {escape(str(source))} ({result.source_kind}) as step {result.step}: "

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -24,6 +23,9 @@ from ._common import (
     when,
 )
 
+if TYPE_CHECKING:
+    from ..tools.inspection import CheckpointInspection, CheckpointSummary, RunInspection
+
 HELP = """Show a run's committed checkpoints, or one checkpoint in detail.
 
 Without --step (and given a run folder): every committed checkpoint with its time, size
@@ -41,9 +43,6 @@ Exit 0, or 1 if a manifest is damaged, 2 if DIR is not a checkpoint or the step 
 not exist."""
 
 
-MAX_RELISTS = 100  # how often --step reading may start over because a save changed it
-
-
 def register(app: typer.Typer) -> None:
     app.command("inspect", help=HELP, cls=Command)(inspect_command)
 
@@ -55,51 +54,45 @@ def inspect_command(
     step: StepOption = None,
     as_json: JsonOption = False,
 ) -> None:
-    from ..tools.inspection import is_step_folder
+    from ..tools.inspection import RunInspection, inspect_checkpoint
 
     with guard():
-        if step is None and not is_step_folder(path):
-            _list(path, as_json)
-        else:
-            _detail(_read_detail(path, step), as_json)
-
-
-def _list(path: Path, as_json: bool) -> None:
-    from ..tools.inspection import list_checkpoints, retired_checkpoints
-
-    summaries = list_checkpoints(path)  # listed again if a concurrent save prunes one
-    sound = [s for s in summaries if not s.error]
-    newest = sound[-1] if sound else None
-    retired = retired_checkpoints(path)
+        found = inspect_checkpoint(path, step=step)
     if as_json:
-        emit_json({"path": str(path), "checkpoints": summaries,
-                   "branch": newest.lineage if newest else [], "retired": retired})  # fmt: skip
+        emit_json(found.to_dict())
+    elif isinstance(found, RunInspection):
+        _print_run(found)
     else:
-        # Versions are usually the same for every step: said once under the table, a
-        # column only when they differ (the lineage keeps room at 80 columns).
-        versions = {_versions(s) for s in summaries if not s.error}
-        table = Table(title=f"committed checkpoints in {path}",
-                      caption=f"saved with {versions.pop()}" if len(versions) == 1 else None)  # fmt: skip
-        columns = ["step", "created", "size", "world"] + (["versions"] if versions else [])
-        for col in columns:
-            table.add_column(col, no_wrap=True, justify="left" if col == "created" else "right")
-        table.add_column("lineage", overflow="fold", min_width=20)
-        for s in summaries:
-            if s.error:
-                table.add_row(str(s.step), "[red]DAMAGED[/red]", human_bytes(s.size_bytes),
-                              "", *[""] * (len(columns) - 4), escape(s.error))  # fmt: skip
-                continue
-            row = [str(s.step), when(s.created_unix), human_bytes(s.size_bytes), str(s.world_size)]
-            if versions:
-                row.append(_versions(s).replace(", ", "\n"))
-            table.add_row(*row, lineage_text(s.lineage))
-        stdout().print(table)
-        _print_branch(newest, retired)
-    if any(s.error and s.committed for s in summaries):  # verify fails on the others
+        _print_detail(found)
+    if isinstance(found, RunInspection) and found.unreadable:  # verify fails on the others
         raise typer.Exit(EXIT_FAILED)
 
 
-def _print_branch(newest, retired) -> None:
+def _print_run(run: RunInspection) -> None:
+    # Versions are usually the same for every step: said once under the table, a
+    # column only when they differ (the lineage keeps room at 80 columns).
+    summaries = run.checkpoints
+    versions = {_versions(s) for s in summaries if not s.error}
+    table = Table(title=f"committed checkpoints in {run.path}",
+                  caption=f"saved with {versions.pop()}" if len(versions) == 1 else None)  # fmt: skip
+    columns = ["step", "created", "size", "world"] + (["versions"] if versions else [])
+    for col in columns:
+        table.add_column(col, no_wrap=True, justify="left" if col == "created" else "right")
+    table.add_column("lineage", overflow="fold", min_width=20)
+    for s in summaries:
+        if s.error:
+            table.add_row(str(s.step), "[red]DAMAGED[/red]", human_bytes(s.size_bytes),
+                          "", *[""] * (len(columns) - 4), escape(s.error))  # fmt: skip
+            continue
+        row = [str(s.step), when(s.created_unix), human_bytes(s.size_bytes), str(s.world_size)]
+        if versions:
+            row.append(_versions(s).replace(", ", "\n"))
+        table.add_row(*row, lineage_text(s.lineage))
+    stdout().print(table)
+    _print_branch(run.newest, run.retired)
+
+
+def _print_branch(newest: CheckpointSummary | None, retired: list[CheckpointSummary]) -> None:
     """The newest lineage as a branch (what restore() resumes), and the retired steps."""
     console = stdout()
     if newest is not None and len(newest.lineage) > 1:
@@ -128,69 +121,17 @@ def _versions(s: Any) -> str:
     return f"torch {s.versions.get('torch', '?')}, unbroken {s.versions.get('unbroken', '?')}"
 
 
-def _read_detail(path: Path, step: int | None) -> tuple[Path, dict[str, Any], Any]:
-    """The folder meant, its manifest and the optimizer's coverage. Located again if a
-    concurrent save prunes or re-saves it while it is read (not damage)."""
-    from ..errors import CheckpointError
-    from ..format import manifest
-    from ..format.tensor_reader import TensorReader
-    from ..storage.interface import vanished
-    from ..tools.coverage import optimizer_coverage
-    from ..tools.inspection import locate
-
-    for _ in range(MAX_RELISTS):
-        folder = locate(path, step)
-        seen = folder.identity()
-        try:
-            doc = manifest.read(folder)
-            with TensorReader(folder, doc) as reader:
-                return folder, doc, optimizer_coverage(doc, read=reader.read)
-        except CheckpointError:
-            if not vanished(folder, seen):
-                raise
-    raise CheckpointError(f"{path} changed faster than it could be read")
-
-
-def _detail(found: tuple[Path, dict[str, Any], Any], as_json: bool) -> None:
-    from ..tools.inspection import components_of, tensors_of
-
-    folder, doc, coverage = found
-    tensors = tensors_of(doc)
-    components = components_of(doc, tensors)
-    info: dict[str, Any] = {
-        "path": str(folder),
-        "step": doc["step"],
-        "created_unix": doc.get("created_unix"),
-        "world_size": doc["world_size"],
-        "versions": doc.get("versions", {}),
-        "lineage": doc["lineage"],
-        "metrics": doc.get("metrics", []),
-        "probe": doc.get("probe") is not None,
-        "components": components,
-        "tensors": tensors,
-        "optimizer": None,
-    }
-    if coverage is not None:
-        info["optimizer"] = {
-            **dataclasses.asdict(coverage),
-            "failures": coverage.failures(),
-            "warnings": coverage.warnings(),
-        }
-    if as_json:
-        emit_json(info)
-        return
+def _print_detail(info: CheckpointInspection) -> None:
     console = stdout()
-    versions = ", ".join(f"{k} {v}" for k, v in info["versions"].items())
-    console.print(f"[bold]step {doc['step']}[/bold]  {escape(str(folder))}")
-    console.print(
-        f"  saved {when(info['created_unix'])} by {doc['world_size']} rank(s); {versions}"
-    )
-    console.print(f"  lineage: {lineage_text(doc['lineage'])}")
-    console.print(f"  tracked metrics: {len(info['metrics'])} step(s); probe: {info['probe']}")
+    versions = ", ".join(f"{k} {v}" for k, v in info.versions.items())
+    console.print(f"[bold]step {info.step}[/bold]  {escape(info.path)}")
+    console.print(f"  saved {when(info.created_unix)} by {info.world_size} rank(s); {versions}")
+    console.print(f"  lineage: {lineage_text(info.lineage)}")
+    console.print(f"  tracked metrics: {len(info.metrics)} step(s); probe: {info.probe}")
     table = Table(title="components")
     for col in ("component", "kind", "per rank", "tensors", "bytes"):
         table.add_column(col)
-    for c in components:
+    for c in info.components:
         table.add_row(c.name, c.kind, "yes" if c.per_rank else "", str(c.tensors),
                       human_bytes(c.bytes))  # fmt: skip
     console.print(table)
@@ -198,13 +139,13 @@ def _detail(found: tuple[Path, dict[str, Any], Any], as_json: bool) -> None:
     table.add_column("key", overflow="fold")
     for col in ("shape", "dtype", "bytes"):
         table.add_column(col, no_wrap=True)
-    for t in tensors:
+    for t in info.tensors:
         table.add_row(
             escape(t.key), "x".join(map(str, t.shape)) or "scalar", t.dtype, human_bytes(t.bytes)
         )
     console.print(table)
-    if coverage is not None:
-        _print_coverage(console, coverage)
+    if info.optimizer is not None:
+        _print_coverage(console, info.optimizer)
 
 
 def _print_coverage(console, coverage) -> None:
@@ -219,9 +160,9 @@ def _print_coverage(console, coverage) -> None:
         step = "" if p.step is None else f"{p.step:g}"
         table.add_row(escape(p.fqn), group, ", ".join(p.entries) or "-", step, flag)
     console.print(table)
-    for message in coverage.failures():
+    for message in coverage.failures:
         console.print(f"[red]problem:[/red] {escape(message)}")
-    for message in coverage.warnings():
+    for message in coverage.warnings:
         console.print(f"[yellow]note:[/yellow] {escape(message)}")
     for alias, target in coverage.tied.items():
         console.print(f"tied: {escape(alias)} is {escape(target)} (optimized under that name)")

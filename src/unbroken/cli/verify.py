@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
 
-from ..errors import CheckpointError
 from ._common import (
     EXIT_FAILED,
     Command,
@@ -22,7 +20,7 @@ from ._common import (
 )
 
 if TYPE_CHECKING:
-    from ..tools.audit import AuditReport
+    from ..tools.verification import CheckpointVerification
 
 HELP = """Verify committed checkpoints completely, reading every byte.
 
@@ -38,7 +36,6 @@ Never writes. Exit 0 when every check holds, 1 when any fails (each failure name
 its file or tensor), 2 if DIR is not a checkpoint or the step does not exist."""
 
 MAX_SHOWN = 20
-MAX_RELISTS = 100  # how often verification may start over because a save changed the folder
 
 
 def register(app: typer.Typer) -> None:
@@ -53,55 +50,23 @@ def verify_command(
     every: Annotated[bool, typer.Option("--all", help="Verify every committed step.")] = False,
     as_json: JsonOption = False,
 ) -> None:
+    from ..tools.verification import verify_checkpoint
+
     if every and step is not None:
         raise typer.BadParameter("--step and --all exclude each other")
-    with guard():
-        reports = _verify(path, step, every)
+    with guard(), progress("verifying") as advance:
+        report = verify_checkpoint(path, step=step, all=every, progress=advance)
     if as_json:
-        emit_json({"ok": all(r.ok for r in reports), "checkpoints": reports})
+        emit_json(report.to_dict())
     else:
         console = stdout()
-        for r in reports:
+        for r in report.checkpoints:
             _print(console, r)
-    if not all(r.ok for r in reports):
+    if not report.ok:
         raise typer.Exit(EXIT_FAILED)
 
 
-def _verify(path: Path, step: int | None, every: bool) -> list[AuditReport]:
-    """Audit the folders. One that a concurrent save pruned or re-saved while it was read
-    is not damaged: the folders are listed again, and those not audited as they are now
-    are audited (a step that is gone is no longer asked for; one pruned that was asked
-    for by --step is a missing step)."""
-    from ..tools.audit import audit, total_bytes
-
-    done: dict[Path, AuditReport] = {}
-    for _ in range(MAX_RELISTS):
-        folders = _folders(path, step, every)
-        todo = [f for f in folders if f not in done]
-        with progress("verifying", sum(total_bytes(f) for f in todo)) as advance:
-            for f in todo:
-                done[f] = audit(f, on_bytes=advance)
-        if not any(done[f].vanished for f in folders):
-            return [done[f] for f in folders]
-        done = {f: r for f, r in done.items() if not r.vanished}
-    raise CheckpointError(f"the checkpoints in {path} changed faster than they could be verified")
-
-
-def _folders(path: Path, step: int | None, every: bool) -> list[Path]:
-    """The folders to audit: the step asked for; else the latest (or every) committed
-    one and every step folder without manifest.json (damaged: its audit fails)."""
-    from ..tools.inspection import is_step_folder, locate, step_folders
-
-    if step is not None:
-        return [locate(path, step)]
-    folders = step_folders(path, damaged=True)
-    if every:
-        return folders
-    committed = [f for f in folders if is_step_folder(f)]
-    return [f for f in folders if f == committed[-1] or not is_step_folder(f)]
-
-
-def _print(console, r: AuditReport) -> None:
+def _print(console, r: CheckpointVerification) -> None:
     where = f"step {r.step}" if r.step is not None else "checkpoint"
     if r.ok:
         console.print(

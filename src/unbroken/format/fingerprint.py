@@ -30,10 +30,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
+if TYPE_CHECKING:
+    import torch
+
+# The names below are plain constants, and torch is imported only by the functions that
+# take a tensor: a manifest names its algorithm, and reading one needs no torch.
 V1, V2 = "wsum64-v1", "wsum64-v2"
 ALGORITHM = V2  # what new checkpoints record
 ALGORITHMS = (V1, V2)  # what this version recomputes
@@ -52,7 +57,6 @@ def _splitmix64(x: int) -> int:
 _TABLE = np.array([_splitmix64(i) | 1 for i in range(_BLOCK)], dtype=np.uint64).view(np.int64)
 _UTABLE = _TABLE.view(np.uint64)
 _SALT = np.uint64(0x9E3779B97F4A7C15 ^ 0x5BD1E995)
-_WORD_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _block_weights(first_block: int, count: int) -> np.ndarray:
@@ -65,6 +69,8 @@ def _block_weights(first_block: int, count: int) -> np.ndarray:
 
 def _words(t: torch.Tensor) -> tuple[np.ndarray, int]:
     """The tensor's bytes as a 1-D array of integer words, and words per element."""
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -72,7 +78,8 @@ def _words(t: torch.Tensor) -> tuple[np.ndarray, int]:
     size = t.element_size()
     word = min(size, 8)
     raw = t.view(torch.uint8) if size != 1 else t.view(torch.int8)
-    return raw.view(_WORD_DTYPES[word]).numpy(), size // word
+    words = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[word]
+    return raw.view(words).numpy(), size // word
 
 
 def _run_sum(words: np.ndarray, g0: int) -> int:
@@ -107,6 +114,8 @@ def _run_sum(words: np.ndarray, g0: int) -> int:
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
     """The tensor's row-major bytes as a 1-D uint8 array (v2 reads them 8 at a time)."""
+    import torch
+
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()

@@ -10,8 +10,10 @@ Tensors with gaps or overlaps (views) are stored by value and come back dense.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # only annotations: the manifest's checks need no torch
+    import torch
 
 MAX_STRIDE = 2**62
 

@@ -9,11 +9,12 @@ the probe value and recent tracked metrics. ``manifest_checksum`` covers the res
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
-import torch
 import xxhash
 
 from ..errors import CheckpointError, CorruptCheckpointError
@@ -21,7 +22,10 @@ from ..storage.interface import Location, TooLarge
 from ..storage.locate import location
 from ..storage.names import MANIFEST, folder_step, step_dir_name
 from . import fingerprint, schema
-from .schema import DTYPES
+from .schema import ITEMSIZES
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT = "unbroken-checkpoint"
 FORMAT_VERSION = 1
@@ -34,11 +38,43 @@ MANIFEST_PER_FILE = 4 << 20
 MANIFEST_PER_BYTE = 64
 
 
+class _TorchDtypes(Mapping[str, "torch.dtype"]):
+    """Name -> torch dtype, for every dtype a checkpoint may hold (those of
+    ``schema.ITEMSIZES``). torch is imported at the first lookup, not before: reading and
+    checking a manifest (``unbroken inspect``'s listing) needs no torch."""
+
+    def __getitem__(self, name: str) -> torch.dtype:
+        if name not in ITEMSIZES:
+            raise KeyError(name)
+        import torch
+
+        return getattr(torch, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(ITEMSIZES)
+
+    def __len__(self) -> int:
+        return len(ITEMSIZES)
+
+
+DTYPES: Mapping[str, torch.dtype] = _TorchDtypes()
+
+
 def dtype_name(dtype: torch.dtype) -> str:
+    """The name a manifest records for ``dtype`` (``torch.bfloat16`` -> ``"bfloat16"``).
+
+    Raises:
+        TypeError: a dtype no checkpoint can hold yet.
+    """
     name = str(dtype).removeprefix("torch.")
-    if name not in DTYPES:
+    if name not in ITEMSIZES:
         raise TypeError(f"tensors of dtype {dtype} cannot be checkpointed yet")
     return name
+
+
+def tensor_nbytes(entry: dict[str, Any]) -> int:
+    """Bytes of a manifest tensor entry's logical tensor (from its shape and dtype)."""
+    return math.prod(entry["shape"]) * ITEMSIZES[entry["dtype"]]
 
 
 def _digest(body: dict[str, Any]) -> str:

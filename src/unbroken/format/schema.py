@@ -19,8 +19,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-import torch
-
 from ..errors import CorruptCheckpointError
 from . import layout, skeleton_check, tree
 
@@ -36,15 +34,19 @@ MAX_FILES_PER_RANK = 16  # a rank's shard is one file, or a few written side by 
 SAFE_FILE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _DEVICE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _NON_FINITE = ("nan", "inf", "-inf")
-DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64, torch.float32, torch.float16, torch.bfloat16,
-        torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64, torch.complex128,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-        torch.uint16, torch.uint32, torch.uint64,
-    )
+# Bytes per element of every dtype a checkpoint may hold, by the name the manifest records
+# (torch's name without ``torch.``). A plain table: reading and checking a manifest needs
+# no torch; ``manifest.DTYPES`` gives the torch dtypes (tests/unit/test_format_dtypes.py
+# holds this table to torch's element sizes).
+ITEMSIZES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8, "complex128": 16,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "uint16": 2, "uint32": 4, "uint64": 8,
 }  # fmt: skip
+# Device types saves record on common machines (a tensor's device when it was staged),
+# accepted without asking torch; any other is checked with torch.device (imports torch).
+COMMON_DEVICES = frozenset({"cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia", "xla"})
 
 
 class _Bad(Exception):
@@ -185,7 +187,7 @@ def _files(files: Any, world: int) -> dict:
 def _tensor(key: str, entry: Any, files: dict) -> None:
     where = f"tensors/{key}"
     entry = _dict(entry, where)
-    if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in DTYPES:
+    if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in ITEMSIZES:
         _fail(where, f"unknown dtype {_short(entry.get('dtype'))}")
     shape = _list(entry.get("shape"), f"{where}/shape")
     if len(shape) > MAX_DIMS:
@@ -195,7 +197,7 @@ def _tensor(key: str, entry: Any, files: dict) -> None:
     if "device" in entry:
         _device(entry["device"], f"{where}/device")
     _str(entry.get("fingerprint"), f"{where}/fingerprint", MAX_SHORT)
-    itemsize = torch.empty(0, dtype=DTYPES[entry["dtype"]]).element_size()
+    itemsize = ITEMSIZES[entry["dtype"]]
     covered, seen = 0, set()
     for i, chunk in enumerate(_list(entry.get("chunks"), f"{where}/chunks")):
         covered += _chunk(chunk, f"{where}/chunks/{i}", shape, itemsize, files, seen)
@@ -231,12 +233,17 @@ def _chunk(c: Any, where: str, shape: list, itemsize: int, files: dict, seen: se
 def _device(x: Any, where: str) -> None:
     if not isinstance(x, str) or not _DEVICE.match(x):
         _fail(where, f"{_short(x)} is not a device type")
-    try:
-        ok = torch.device(x).type == x
-    except RuntimeError:
-        ok = False
-    if not ok:
+    if x not in COMMON_DEVICES and not _torch_knows_device(x):
         _fail(where, f"{x!r} is not a device type torch knows")
+
+
+def _torch_knows_device(name: str) -> bool:
+    import torch  # only for a device type no save on a common machine records
+
+    try:
+        return torch.device(name).type == name
+    except RuntimeError:
+        return False
 
 
 # Components -------------------------------------------------------------------------------

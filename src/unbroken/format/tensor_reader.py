@@ -149,11 +149,3 @@ def _read_into(f: ChunkReader, offset: int, buf: memoryview, path: Location) -> 
         raise CorruptCheckpointError(f"{path} is missing") from None
     except OSError as exc:  # an I/O error: the file is as unusable as a missing one
         raise CorruptCheckpointError(f"{path} cannot be read ({exc.strerror or exc})") from None
-
-
-def tensor_nbytes(entry: dict[str, Any]) -> int:
-    """Bytes of a manifest tensor entry's logical tensor."""
-    numel = 1
-    for s in entry["shape"]:
-        numel *= s
-    return numel * torch.empty(0, dtype=DTYPES[entry["dtype"]]).element_size()

@@ -20,13 +20,17 @@ import math
 import re
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
-_TAG = "__ub__"
-TAG = _TAG
+if TYPE_CHECKING:
+    import torch
+
+# The key that marks a tagged value in a skeleton: the one definition (every reader of
+# skeletons imports it). This module imports torch only to encode, or to decode a dtype:
+# reading a manifest's skeletons (tensor_keys, skeleton checks) needs none.
+TAG = "__ub__"
 # A defaultdict's factory is saved by name, and only these: anything else needs pickle.
 FACTORIES: dict[str, type] = {
     t.__name__: t for t in (int, float, bool, str, list, dict, tuple, set, frozenset)
@@ -83,6 +87,8 @@ def _where(path: list) -> str:
 
 
 def _encode(value: Any, path: list, tensors: dict, key_for: Callable | None) -> Any:
+    import torch  # here, not at the top: reading skeletons needs no torch
+
     if len(path) > MAX_STATE_DEPTH:  # deeper would be refused at restore (format/schema.py)
         raise TypeError(f"cannot save {_where(path[:4])}/...: state nested deeper than "
                         f"{MAX_STATE_DEPTH} levels; flatten it in state_dict()")  # fmt: skip
@@ -91,7 +97,7 @@ def _encode(value: Any, path: list, tensors: dict, key_for: Callable | None) -> 
         if key in tensors:
             raise ValueError(f"two tensors map to the same checkpoint key {key!r}")
         tensors[key] = value
-        return {_TAG: "tensor", "key": key}
+        return {TAG: "tensor", "key": key}
     if isinstance(value, np.generic):  # before float and str: np.float64 and np.str_ are both
         return _encode_npscalar(value, path)
     if value is None or isinstance(value, bool | str):
@@ -101,7 +107,7 @@ def _encode(value: Any, path: list, tensors: dict, key_for: Callable | None) -> 
     if isinstance(value, float):
         if math.isfinite(value):
             return value
-        return {_TAG: "float", "repr": repr(value)}
+        return {TAG: "float", "repr": repr(value)}
     if isinstance(value, Mapping):
         return _encode_mapping(value, path, tensors, key_for)
     if isinstance(value, list):
@@ -110,18 +116,18 @@ def _encode(value: Any, path: list, tensors: dict, key_for: Callable | None) -> 
         return [_encode(v, [*path, i], tensors, key_for) for i, v in enumerate(value)]
     if isinstance(value, tuple):
         if _plain_scalars(value):
-            return {_TAG: "tuple", "items": list(value)}
+            return {TAG: "tuple", "items": list(value)}
         items = [_encode(v, [*path, i], tensors, key_for) for i, v in enumerate(value)]
-        return {_TAG: "tuple", "items": items}
+        return {TAG: "tuple", "items": items}
     if type(value) in _SET_TAGS:
-        return {_TAG: _SET_TAGS[type(value)], "items": [_encode_key(m, path) for m in value]}
+        return {TAG: _SET_TAGS[type(value)], "items": [_encode_key(m, path) for m in value]}
     if isinstance(value, torch.dtype):
-        return {_TAG: "dtype", "name": str(value).removeprefix("torch.")}
+        return {TAG: "dtype", "name": str(value).removeprefix("torch.")}
     if isinstance(value, np.ndarray):
         if value.dtype == object:
             raise TypeError(f"cannot save {_where(path)}: object arrays need pickle")
         return {
-            _TAG: "ndarray",
+            TAG: "ndarray",
             "dtype": value.dtype.str,
             "shape": list(value.shape),
             "data": _encode(value.ravel().tolist(), path, tensors, key_for),
@@ -151,14 +157,14 @@ def _encode_npscalar(value: np.generic, path: list) -> dict[str, Any]:
     item = value.item()
     if isinstance(item, np.generic):  # longdouble and friends have no exact Python value
         raise TypeError(f"cannot save {_where(path)}: numpy {value.dtype} has no JSON form")
-    return {_TAG: "npscalar", "dtype": value.dtype.str, "value": _encode(item, path, {}, None)}
+    return {TAG: "npscalar", "dtype": value.dtype.str, "value": _encode(item, path, {}, None)}
 
 
 def _encode_mapping(value: Mapping, path: list, tensors: dict, key_for: Callable | None) -> Any:
     tag = _MAPPING_TAGS.get(type(value), "dict")
-    if tag == "dict" and _TAG not in value and all(isinstance(k, str) for k in value):
+    if tag == "dict" and TAG not in value and all(isinstance(k, str) for k in value):
         return {k: _encode(v, [*path, k], tensors, key_for) for k, v in value.items()}
-    out: dict[str, Any] = {_TAG: tag}
+    out: dict[str, Any] = {TAG: tag}
     if tag == "defaultdict":
         out["factory"] = _factory_name(value.default_factory, path)  # type: ignore[attr-defined]
     out["items"] = [
@@ -185,9 +191,9 @@ def _encode_key(key: Any, path: list) -> Any:
     """A dict key or set member: a scalar, a numpy scalar, or a tuple or frozenset of
     them (hashable values only, so that the decoded value can be a key again)."""
     if isinstance(key, tuple):
-        return {_TAG: "tuple", "items": [_encode_key(k, path) for k in key]}
+        return {TAG: "tuple", "items": [_encode_key(k, path) for k in key]}
     if type(key) is frozenset:
-        return {_TAG: "frozenset", "items": [_encode_key(k, path) for k in key]}
+        return {TAG: "frozenset", "items": [_encode_key(k, path) for k in key]}
     if isinstance(key, np.generic | float):
         return _encode(key, path, {}, None)
     if key is None or isinstance(key, str | int):
@@ -215,7 +221,7 @@ def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         return [decode(v, tensors) for v in skeleton]
     if not isinstance(skeleton, dict):
         return skeleton
-    tag = skeleton.get(_TAG)
+    tag = skeleton.get(TAG)
     if tag is None:
         return {k: decode(v, tensors) for k, v in skeleton.items()}
     if tag == "tensor":
@@ -252,6 +258,8 @@ def unknown_tag(tag: Any) -> str:
 
 
 def _torch_dtypes() -> dict[str, torch.dtype]:
+    import torch
+
     # vars(), not getattr(): torch's module __getattr__ would import submodules by name.
     return {n: v for n, v in vars(torch).items() if isinstance(v, torch.dtype)}
 
@@ -339,7 +347,7 @@ def tensor_keys(skeleton: Any) -> list[str]:
             for v in node:
                 walk(v)
         elif isinstance(node, dict):
-            if node.get(_TAG) == "tensor":
+            if node.get(TAG) == "tensor":
                 found.append(node["key"])
             else:
                 for v in node.values():

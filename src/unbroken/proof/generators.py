@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-_TAG = "__ub__"
+from ..format.tree import TAG
+
 # How people name the generators the ``rng`` component saves (live/rng.py).
 LABELS = {"python": "python random", "numpy": "numpy", "torch": "torch CPU", "cuda": "torch CUDA"}
 
@@ -57,7 +58,7 @@ def _index(order: list[str], name: str) -> int:
 
 def _resolve(node: Any, tensors: dict[str, Any]) -> Any:
     if isinstance(node, dict):
-        if node.get(_TAG) == "tensor":
+        if node.get(TAG) == "tensor":
             entry = tensors.get(node.get("key"), {})
             return {"tensor": [entry.get("dtype"), entry.get("shape"), entry.get("fingerprint")]}
         return {k: _resolve(v, tensors) for k, v in node.items()}

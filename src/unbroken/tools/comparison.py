@@ -15,30 +15,35 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
 
-from ..format import manifest
+from ..format import bitwise, manifest
 from ..format.tensor_reader import TensorReader
+from ..format.tree import TAG
 from ..proof.generators import differing, label
+from ..storage.interface import Location
 from ..storage.locate import location
-from .inspection import component_skeletons, tensor_components
+from .contents import component_skeletons, tensor_components
+from .folders import locate
+from .reporting import JsonResult, Progress, ProgressCount
 
 Status = Literal["equal", "values", "dtype", "shape", "only_a", "only_b"]
 _BLOCK = 1 << 20  # elements compared at once, to bound the float64 working copies
-_TAG = "__ub__"
 
 
 @dataclasses.dataclass
 class TensorDiff:
-    key: str
-    component: str | None
-    status: Status
-    dtype_a: str | None = None
+    """One tensor key of either checkpoint, compared."""
+
+    key: str  # the tensor's key, e.g. ``model/inp.weight``
+    component: str | None  # the component whose state references it
+    status: Status  # equal; values, dtype or shape differ; only in A; only in B
+    dtype_a: str | None = None  # None where the tensor is absent
     dtype_b: str | None = None
     shape_a: list[int] | None = None
     shape_b: list[int] | None = None
@@ -48,14 +53,16 @@ class TensorDiff:
 
 @dataclasses.dataclass
 class ComponentSummary:
+    """One component of either checkpoint, compared."""
+
     name: str
     status: Literal["identical", "different", "only_a", "only_b", "skipped"]
-    equal: int = 0
-    different: int = 0
-    only_a: int = 0
-    only_b: int = 0
-    state_differences: list[str] = dataclasses.field(default_factory=list)
-    note: str = ""
+    equal: int = 0  # tensors equal
+    different: int = 0  # tensors whose values, dtype or shape differ
+    only_a: int = 0  # tensors only in A
+    only_b: int = 0  # tensors only in B
+    state_differences: list[str] = dataclasses.field(default_factory=list)  # non-tensor
+    note: str = ""  # why it was skipped
 
 
 @dataclasses.dataclass
@@ -69,42 +76,82 @@ class GeneratorDiff:
 
 
 @dataclasses.dataclass
-class DiffReport:
-    a: dict[str, Any]
-    b: dict[str, Any]
-    tensors: list[TensorDiff]
-    components: list[ComponentSummary]
+class DiffReport(JsonResult):
+    """What :func:`diff_checkpoints` returns (``unbroken diff --json``)."""
+
+    JSON_PROPERTIES = ("identical",)
+
+    a: dict[str, Any]  # checkpoint A: its ``path``, ``step`` and ``world_size``
+    b: dict[str, Any]  # checkpoint B, the same
+    tensors: list[TensorDiff]  # every tensor key compared, sorted naturally
+    components: list[ComponentSummary]  # every component of either, A's order first
     rng: list[GeneratorDiff] = dataclasses.field(default_factory=list)  # when compared
 
     @property
     def identical(self) -> bool:
+        """Nothing differs (components skipped aside): the command exits 0."""
         return all(c.status in ("identical", "skipped") for c in self.components) and all(
             t.status == "equal" for t in self.tensors
         )
 
 
-def _meta(folder: Path, doc: dict[str, Any]) -> dict[str, Any]:
+def _meta(folder: Location, doc: dict[str, Any]) -> dict[str, Any]:
     return {"path": str(folder), "step": doc["step"], "world_size": doc["world_size"]}
 
 
-def diff(
-    a: str | Path,
-    b: str | Path,
+def diff_checkpoints(
+    a: str | os.PathLike,
+    b: str | os.PathLike,
     *,
     full: bool = False,
-    ignore: frozenset[str] = frozenset(),
-    on_tensor: Callable[[], None] | None = None,
+    ignore: Iterable[str] = (),
+    progress: Progress | None = None,
 ) -> DiffReport:
-    """Compare the committed checkpoints in step folders ``a`` and ``b``.
+    """Compare two checkpoints tensor by tensor, across any world sizes (``unbroken diff``).
+
+    Logical tensors are compared, not shards: a checkpoint saved on 2 ranks equals the
+    same state saved from 1 process. Equal fingerprints count as equal values unless
+    ``full``; otherwise both tensors are read (checksums verified) and compared bit for
+    bit. Per-rank components (rng, dataloader) are compared rank by rank when the world
+    sizes match, else skipped (and listed). Non-tensor state is compared too.
 
     Args:
+        a: a step folder, or a run folder meaning its latest step (local or a URL).
+        b: the same, for the other checkpoint.
         full: read and compare every tensor even where fingerprints agree.
-        ignore: component names left out of the comparison.
-        on_tensor: called once per tensor compared (progress).
+        ignore: component names to leave out (e.g. ``{"rng"}``).
+        progress: called with (tensors compared, tensors to compare).
+
+    Returns:
+        :class:`DiffReport`; ``identical`` says whether anything differs.
+
+    Raises:
+        CheckpointNotFoundError: ``a`` or ``b`` holds no committed checkpoint.
+        CorruptCheckpointError: a manifest, or a chunk that must be read, is damaged.
+
+    Example::
+
+        report = ub.diff_checkpoints("ckpts/run1", "ckpts/run2", ignore={"rng"})
+        print(report.identical, [t.key for t in report.tensors if t.status != "equal"])
+    """
+    return diff(locate(a), locate(b), full=full, ignore=ignore, progress=progress)
+
+
+def diff(
+    a: str | os.PathLike | Location,
+    b: str | os.PathLike | Location,
+    *,
+    full: bool = False,
+    ignore: Iterable[str] = (),
+    progress: Progress | None = None,
+) -> DiffReport:
+    """Compare the committed checkpoints in step folders ``a`` and ``b`` (see
+    :func:`diff_checkpoints`, which also takes run folders).
+
     Raises:
         CorruptCheckpointError: a manifest or a chunk that must be read is damaged.
     """
-    a, b = location(a), location(b)
+    a, b, ignore = location(a), location(b), frozenset(ignore)
     doc_a, doc_b = manifest.read(a), manifest.read(b)
     same_world = doc_a["world_size"] == doc_b["world_size"]
     owner_a, owner_b = tensor_components(doc_a), tensor_components(doc_b)
@@ -130,19 +177,20 @@ def diff(
             summaries[name].state_differences = _state_differences(
                 component_skeletons(doc_a, name), component_skeletons(doc_b, name), name
             )
-    rows: list[TensorDiff] = []
     # Equal fingerprints mean equal values only within one fingerprint format.
     same_format = manifest.fingerprint_algorithm(doc_a) == manifest.fingerprint_algorithm(doc_b)
     trust_prints = not full and same_format
-    keys = sorted(set(doc_a["tensors"]) | set(doc_b["tensors"]), key=natural_key)
+    keys = []
+    for key in sorted(set(doc_a["tensors"]) | set(doc_b["tensors"]), key=natural_key):
+        comp = owner_a.get(key) or owner_b.get(key)
+        if comp not in skip and not (comp in summaries and summaries[comp].status == "skipped"):
+            keys.append((key, comp))
+    count = ProgressCount(progress, len(keys))
+    rows: list[TensorDiff] = []
     with TensorReader(a, doc_a) as ra, TensorReader(b, doc_b) as rb:
-        for key in keys:
-            comp = owner_a.get(key) or owner_b.get(key)
-            if comp in skip or (comp in summaries and summaries[comp].status == "skipped"):
-                continue
+        for key, comp in keys:
             rows.append(_compare(key, comp, doc_a, doc_b, ra, rb, trust_prints))
-            if on_tensor is not None:
-                on_tensor()
+            count()
     for row in rows:
         s = summaries.get(row.component or "")
         if s is None:
@@ -190,22 +238,12 @@ def _compare(key, comp, doc_a, doc_b, ra, rb, trust_prints) -> TensorDiff:
         row.differing, row.max_abs_diff = 0, 0.0
         return row
     ta, tb = ra.read(key), rb.read(key)
-    differs = _bits_differ(ta, tb)
+    differs = bitwise.differing(ta, tb)
     row.differing = int(differs.sum())
     row.max_abs_diff = _max_abs_diff(ta, tb, differs) if row.differing else 0.0
     if row.differing:
         row.status = "values"
     return row
-
-
-def _bits_differ(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Per element: do the stored bits differ? (NaN == NaN when the bits are the same.)"""
-    n, size = a.numel(), a.element_size()
-    if n == 0:
-        return torch.zeros(0, dtype=torch.bool)
-    ba = a.reshape(-1).view(torch.uint8).view(n, size)
-    bb = b.reshape(-1).view(torch.uint8).view(n, size)
-    return (ba != bb).any(dim=1)
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None) -> float:
@@ -247,7 +285,7 @@ def _walk(a: Any, b: Any, path: str, out: list[str]) -> None:
             if k not in a or k not in b:
                 out.append(f"{path}/{k}: only in {'A' if k in a else 'B'}")
             else:
-                _walk(a[k], b[k], f"{path}/{k}" if k != _TAG else path, out)
+                _walk(a[k], b[k], f"{path}/{k}" if k != TAG else path, out)
         return
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -258,7 +296,7 @@ def _walk(a: Any, b: Any, path: str, out: list[str]) -> None:
 
 
 def _is_ref(x: Any) -> bool:
-    return isinstance(x, dict) and x.get(_TAG) == "tensor"
+    return isinstance(x, dict) and x.get(TAG) == "tensor"
 
 
 def _short(x: Any) -> str:

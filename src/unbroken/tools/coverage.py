@@ -17,11 +17,12 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
+from ..format.tree import TAG
 from ..live.optimizer import PARAM_SHAPED
-from .inspection import model_fqns
+from .contents import model_fqns
+from .reporting import JsonResult
 from .tying import tied_weights
 
-_TAG = "__ub__"
 _FLOATING = {"float64", "float32", "float16", "bfloat16", "complex64", "complex128"}
 
 
@@ -29,30 +30,35 @@ _FLOATING = {"float64", "float32", "float16", "bfloat16", "complex64", "complex1
 class ParamCoverage:
     """One parameter of an optimizer param group and the state saved for it."""
 
-    fqn: str
+    fqn: str  # the parameter's normalized FQN
     optimizer: str | None  # the dict key for a dict of optimizers
-    group: int
+    group: int  # index of its param group
     entries: list[str]  # names of the saved state entries (empty: none saved)
     step: float | None  # the ``step`` entry's value, if any and readable
-    in_model: bool
+    in_model: bool  # the model has a tensor of that FQN
 
 
 @dataclasses.dataclass
-class OptimizerCoverage:
-    """Findings; the ``failures()`` make a checkpoint fail ``unbroken verify``."""
+class OptimizerCoverage(JsonResult):
+    """Findings (FQNs); the :attr:`failures` make a checkpoint fail ``unbroken verify``."""
 
-    params: list[ParamCoverage] = dataclasses.field(default_factory=list)
-    no_state: list[str] = dataclasses.field(default_factory=list)
-    not_in_model: list[str] = dataclasses.field(default_factory=list)
+    JSON_PROPERTIES = ("failures", "warnings")
+
+    params: list[ParamCoverage] = dataclasses.field(default_factory=list)  # group order
+    no_state: list[str] = dataclasses.field(default_factory=list)  # in a group, no state
+    not_in_model: list[str] = dataclasses.field(default_factory=list)  # state, no parameter
     state_without_group: list[str] = dataclasses.field(default_factory=list)
-    unoptimized: list[str] = dataclasses.field(default_factory=list)
-    unoptimized_parameters: list[str] = dataclasses.field(default_factory=list)
-    shape_mismatches: list[str] = dataclasses.field(default_factory=list)
-    missing_tensors: list[str] = dataclasses.field(default_factory=list)
+    unoptimized: list[str] = dataclasses.field(default_factory=list)  # buffers, frozen
+    unoptimized_parameters: list[str] = dataclasses.field(default_factory=list)  # trainable
+    shape_mismatches: list[str] = dataclasses.field(default_factory=list)  # messages
+    missing_tensors: list[str] = dataclasses.field(default_factory=list)  # unlisted keys
     unreadable_steps: list[str] = dataclasses.field(default_factory=list)
     tied: dict[str, str] = dataclasses.field(default_factory=dict)  # alias -> its parameter
 
+    @property
     def failures(self) -> list[str]:
+        """What makes the checkpoint unsound: state that fits no parameter or group, a
+        trainable parameter nothing optimizes, shapes that differ, unlisted tensors."""
         out = [f"optimizer state for {f!r}, which is not a model parameter (FQNs orphaned)"
                for f in self.not_in_model]  # fmt: skip
         out += [f"optimizer state for {f!r} belongs to no param group"
@@ -64,7 +70,10 @@ class OptimizerCoverage:
                 for k in self.missing_tensors]  # fmt: skip
         return out
 
+    @property
     def warnings(self) -> list[str]:
+        """What may be intended: parameters without state (never given a gradient), and
+        floating-point tensors in no param group (buffers, frozen parameters)."""
         out = [f"parameter {f!r} is in a param group but has no optimizer state (expected "
                "only if it never received a gradient)" for f in self.no_state]  # fmt: skip
         if self.unoptimized:
@@ -97,7 +106,7 @@ def optimizer_coverage(
         if not _is_single(opt):
             raise CheckpointError(f"optimizer {name!r} has no param_groups in the manifest")
         state = opt.get("state") or {}
-        if isinstance(state, dict) and state.get(_TAG) == "dict":  # non-string keys
+        if isinstance(state, dict) and state.get(TAG) == "dict":  # non-string keys
             state = {str(k): v for k, v in state["items"]}
         members: set[str] = set()
         for g, group in enumerate(opt["param_groups"]):
@@ -143,7 +152,7 @@ def _param(
         return ParamCoverage(fqn, optimizer, group, [], None, in_model)
     step = None
     for entry, value in entries.items():
-        ref = value.get("key") if isinstance(value, dict) and value.get(_TAG) == "tensor" else None
+        ref = value.get("key") if isinstance(value, dict) and value.get(TAG) == "tensor" else None
         if ref is not None and ref not in doc["tensors"]:
             cov.missing_tensors.append(ref)
             continue

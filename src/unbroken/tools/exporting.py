@@ -24,7 +24,6 @@ import json
 import os
 import struct
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +35,9 @@ from ..format import fingerprint, manifest, tree
 from ..format.manifest import DTYPES
 from ..format.shards import tensor_bytes
 from ..format.tensor_reader import TensorReader
-from ..storage.locate import location
-from .inspection import model_fqns
+from .contents import model_fqns
+from .folders import locate
+from .reporting import JsonResult, Progress, ProgressCount
 from .tying import confirm, tied_weights
 
 SAFETENSORS_DTYPES = {
@@ -52,12 +52,15 @@ _CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 @dataclasses.dataclass
-class ExportResult:
-    path: str
-    step: int
-    tensors: int
-    bytes: int
-    metadata: dict[str, str]
+class ExportResult(JsonResult):
+    """What :func:`export_checkpoint` returns (``unbroken export --json``)."""
+
+    path: str  # the .safetensors file written
+    step: int  # the checkpoint's step
+    tensors: int  # tensors written (a tied weight once)
+    bytes: int  # of tensor data written (the file adds its header)
+    metadata: dict[str, str]  # the file's ``__metadata__``: format, step, source,
+    # unbroken_version, world_size, and tied_weights (JSON) if a weight is tied
     skipped: list[str]  # model state entries that are not tensors
     tied: dict[str, str] = dataclasses.field(default_factory=dict)  # alias -> name written
 
@@ -108,26 +111,49 @@ def header(
     return struct.pack("<Q", len(text)) + text, offset
 
 
-def export_safetensors(
-    folder: str | Path,
-    to: str | Path,
+def export_checkpoint(
+    path: str | os.PathLike,
+    to: str | os.PathLike,
     *,
-    dtype: torch.dtype | None = None,
-    on_bytes: Callable[[int], None] | None = None,
+    dtype: torch.dtype | str | None = None,
+    step: int | None = None,
+    progress: Progress | None = None,
 ) -> ExportResult:
-    """Write the model weights of the checkpoint in ``folder`` to ``to`` (safetensors).
+    """Write a checkpoint's model weights as one ``.safetensors`` file (``unbroken export``).
 
-    Keys are the model's FQNs (``<name>.<fqn>`` for a dict of models); floating-point
-    tensors are cast to ``dtype`` if given; a tied weight is written once. Metadata:
-    ``step``, ``source``, ``unbroken_version``, ``world_size``, ``format`` (``pt``), and
+    Keys are the model's FQNs (``<name>.<fqn>`` for a dict of models); shards of any
+    world size are assembled into whole tensors; a tied weight is written once. Memory
+    stays bounded by the largest tensor: each is read, verified (checksums and
+    fingerprint) and written in turn. The file appears only when complete. Its metadata:
+    ``format`` (``pt``), ``step``, ``source``, ``unbroken_version``, ``world_size``, and
     ``tied_weights`` (JSON ``{alias: name written}``) if any weight is tied.
 
+    Args:
+        path: a run folder (its latest step unless ``step``) or a step folder (or URL).
+        to: the file to write (local).
+        dtype: cast floating-point tensors to this (a floating-point torch dtype, or
+            ``"bf16"``, ``"fp16"``, ``"fp32"``); integer and bool buffers keep theirs.
+        step: a committed step of the run folder.
+        progress: called with (bytes read, bytes to read) as tensors are read.
+
+    Returns:
+        :class:`ExportResult`.
+
     Raises:
-        CorruptCheckpointError: a chunk fails its checksum or a tensor its fingerprint.
+        ValueError: ``dtype`` is not a floating-point dtype or one of the names.
+        CheckpointNotFoundError: ``path`` holds no committed checkpoint, or no ``step``.
+        CorruptCheckpointError: a chunk fails its checksum.
+        StateMismatchError: a tensor fails its fingerprint, or a dtype safetensors
+            cannot hold.
         IncompleteCheckpointError: the checkpoint has no model.
         CheckpointError: ``to`` lies inside the checkpoint folder.
+
+    Example::
+
+        ub.export_checkpoint("ckpts/run1", "model.safetensors", dtype="bf16")
     """
-    folder, to = location(folder), Path(to)
+    target = _export_dtype(dtype)
+    folder, to = locate(path, step), Path(to)
     if isinstance(folder, Path) and to.resolve().is_relative_to(folder.resolve()):
         raise CheckpointError(f"refusing to write {to} inside the checkpoint folder {folder}")
     doc = manifest.read(folder)
@@ -135,11 +161,15 @@ def export_safetensors(
     algorithm = manifest.fingerprint_algorithm(doc)
     if "model" not in doc["components"]:
         raise IncompleteCheckpointError("the checkpoint has no 'model' component to export")
+    fqns = model_fqns(doc)
+    on_bytes = ProgressCount(
+        progress, sum(c["length"] for key in fqns.values() for c in doc["tensors"][key]["chunks"])
+    )
     ties = tied_weights(doc)
     if ties:  # confirmed on the bytes: equal values alone do not make a tie
         with TensorReader(folder, doc) as reader:
             ties = confirm(doc, ties, reader.read)
-    items = plan(doc, dtype, leave_out=frozenset(ties))
+    items = plan(doc, target, leave_out=frozenset(ties))
     metadata = {
         "format": "pt",
         "step": str(doc["step"]),
@@ -155,18 +185,17 @@ def export_safetensors(
     try:
         with open(partial, "wb") as f, TensorReader(folder, doc, on_bytes=on_bytes) as reader:
             f.write(head)
-            for _name, key, target in items:
+            for _name, key, written_as in items:
                 t = reader.read(key)
                 if fingerprint.fingerprint(t, algorithm) != doc["tensors"][key].get("fingerprint"):
                     raise StateMismatchError(
                         f"{key}: its stored value does not match the manifest's fingerprint; "
                         f"run `unbroken verify {folder}`"
                     )
-                f.write(tensor_bytes(t.to(target)))
+                f.write(tensor_bytes(t.to(written_as)))
                 del t
-            if on_bytes is not None:  # aliases are not read: count them as done
-                fqns = model_fqns(doc)
-                on_bytes(sum(c["length"] for a in ties for c in doc["tensors"][fqns[a]]["chunks"]))
+            # Aliases are not read: counted as done.
+            on_bytes(sum(c["length"] for a in ties for c in doc["tensors"][fqns[a]]["chunks"]))
             f.flush()
             os.fsync(f.fileno())
         if partial.stat().st_size != len(head) + data_size:
@@ -179,13 +208,24 @@ def export_safetensors(
     return ExportResult(str(to), doc["step"], len(items), data_size, metadata, skipped, ties)
 
 
+def _export_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if isinstance(dtype, str) and dtype in EXPORT_DTYPES:
+        return EXPORT_DTYPES[dtype]
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return dtype
+    raise ValueError(
+        f"dtype must be a floating-point torch dtype or one of {', '.join(EXPORT_DTYPES)}, "
+        f"got {dtype!r}"
+    )
+
+
 def _non_tensor_model_state(doc: dict[str, Any]) -> list[str]:
     """Model state entries that are not tensors (safetensors holds only tensors)."""
     skeleton = doc["components"]["model"].get("state")
     found: list[str] = []
 
     def walk(node: Any, path: str) -> None:
-        if isinstance(node, dict) and "__ub__" not in node:
+        if isinstance(node, dict) and tree.TAG not in node:
             for k, v in node.items():
                 walk(v, f"{path}.{k}" if path else k)
         elif not tree.tensor_keys(node):

@@ -33,20 +33,23 @@ from ..live.optimizer import OptimizerComponent
 from ..live.state import ModelComponent
 from ..storage.locate import checkpoint_dir
 from . import foreign, optimizer_mapping
+from .reporting import JsonResult
 
 Factory = Callable[[], "nn.Module | tuple[nn.Module, torch.optim.Optimizer]"]
 
 
 @dataclasses.dataclass
-class ImportResult:
+class ImportResult(JsonResult):
+    """What :func:`import_checkpoint` returns (``unbroken import --json``)."""
+
     path: str  # the committed step folder
-    step: int
+    step: int  # the step it was saved as
     source_kind: str  # "torch.save" | "dcp"
-    model_tensors: int
+    model_tensors: int  # model tensors imported
     optimizer: str  # "factory", "AdamW from the imported param groups", or "none"
-    optimizer_params: int
-    scheduler: bool
-    ignored: list[str]
+    optimizer_params: int  # parameters with imported optimizer state and hyperparameters
+    scheduler: bool  # a scheduler state was imported
+    ignored: list[str]  # top-level source entries left out on request
 
 
 def load_factory(spec: str) -> Factory:
@@ -109,7 +112,12 @@ def import_checkpoint(
     ignore: Iterable[str] = (),
     trust_pickle: bool = False,
 ) -> ImportResult:
-    """Convert ``source`` into a committed unbroken checkpoint in run folder ``dest``.
+    """Convert ``source`` into a committed unbroken checkpoint in run folder ``dest``
+    (``unbroken import``).
+
+    The source state is loaded into ``model`` (and ``optimizer``), which must be built
+    exactly as in training, then saved with :class:`~unbroken.Checkpointer`: the result
+    is what a training run would have saved. Nothing is dropped silently.
 
     Args:
         source: a ``torch.save`` file ``{"model", "optimizer"?, "scheduler"?, "step"?}``
@@ -117,14 +125,19 @@ def import_checkpoint(
             tensors, containers and plain values only (``torch.load(weights_only=True)``;
             DCP's ``.metadata`` through an unpickler that knows only its classes).
         dest: the run folder to save into (it must not hold this step already).
-        model: the live model to load into (from the factory, see :func:`build`).
+        model: the live model to load into (the command builds it with :func:`build`).
         optimizer: the live optimizer, or None to build an AdamW from the imported
             param groups.
         step: the step to save as (default: the step recorded in the source).
         ignore: top-level source entries to leave out on purpose.
         trust_pickle: read ``source`` with plain pickle instead, for what the safe
             readers refuse. It can run code: only for files you trust.
+
+    Returns:
+        :class:`ImportResult`.
+
     Raises:
+        CheckpointNotFoundError: ``source`` does not exist.
         CorruptCheckpointError: ``source`` holds something the safe readers refuse
             (naming the file or entry), or is damaged.
         StateMismatchError: an entry fits no parameter, or shapes/dtypes/counts differ.
@@ -133,8 +146,9 @@ def import_checkpoint(
 
     Example::
 
-        model, opt = importing.build(importing.load_factory("train:build"))
-        importing.import_checkpoint("ckpt.pt", "ckpts/run1", model, opt)
+        model, opt = build_model_and_optimizer()  # as in training
+        result = ub.import_checkpoint("ckpt.pt", "ckpts/run1", model, opt)
+        print(result.step, result.path)
     """
     source, ignored = Path(source), sorted(set(ignore))
     model_c = ModelComponent(model)

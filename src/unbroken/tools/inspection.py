@@ -1,118 +1,196 @@
-"""Look inside committed checkpoints without live training objects.
+"""Look inside committed checkpoints without live training objects: ``inspect_checkpoint``.
 
-Finds checkpoints on disk (a run folder or one step folder), summarizes them, and maps
-every saved tensor to its component and parameter FQN, from the JSON manifest alone.
-Nothing here writes to a checkpoint folder or unpickles anything.
+A run folder is listed (:class:`RunInspection`: every step folder summarized, the
+lineage restore() resumes, the retired branches); one checkpoint is shown in detail
+(:class:`CheckpointInspection`: components, every tensor mapped to its component, the
+optimizer's coverage of the model). All of it comes from the JSON manifest except the
+optimizer's ``step`` values, scalar tensors read checksummed. Nothing here writes to a
+checkpoint folder or unpickles anything.
+
+The listing imports no torch (``unbroken inspect --json RUN`` answers without it); the
+detail imports it to read the ``step`` tensors.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
-from ..format import manifest, tree
-from ..format.tensor_reader import tensor_nbytes
-from ..storage.interface import CheckpointDir, Location, vanished
+from ..errors import CheckpointError
+from ..format import manifest
+from ..storage.interface import Location, vanished
 from ..storage.locate import checkpoint_dir, location
 from ..storage.names import MANIFEST, RETIRED, folder_step
+from .contents import tensor_components
+from .folders import is_step_folder, locate, step_folders
+from .reporting import JsonResult
+
+if TYPE_CHECKING:
+    from .coverage import OptimizerCoverage
 
 MAX_RELISTS = 100  # how often a listing may be redone because a save changed the folder
 
 
-def is_step_folder(path: str | os.PathLike | Location) -> bool:
-    """Whether ``path`` is a committed step folder (it holds a manifest; one that cannot
-    be told is taken for one, so that reading it names what is unreadable)."""
-    return location(path).has_file(MANIFEST) is not False
+@dataclasses.dataclass
+class CheckpointSummary:
+    """One step folder, as ``unbroken inspect DIR`` lists it."""
 
-
-def locate(path: str | os.PathLike | Location, step: int | None = None) -> Location:
-    """The step folder meant by ``path`` (a run folder or a step folder) and ``step``.
-
-    A run folder means its latest committed step unless ``step`` is given.
-
-    Raises:
-        CheckpointNotFoundError: no such path, not a checkpoint, or no such step.
-    """
-    path = location(path)
-    if not path.exists():
-        raise CheckpointNotFoundError(f"{path} does not exist")
-    if not path.is_dir():
-        raise CheckpointNotFoundError(
-            f"{path} is a file, not a checkpoint folder; pass a run folder (holding step_* "
-            "folders) or one step folder"
-        )
-    if path.name.startswith((".partial-", ".trash-")):
-        raise CheckpointNotFoundError(
-            f"{path} is a save in progress or a checkpoint being deleted, not a committed one"
-        )
-    if is_step_folder(path):
-        if step is not None:
-            saved = folder_step(path)
-            if saved is not None and saved != step:
-                raise CheckpointNotFoundError(
-                    f"{path} is the checkpoint of step {saved}, not step {step}; pass the "
-                    "run folder to choose among steps"
-                )
-        return path
-    if folder_step(path) is not None:
-        raise CheckpointNotFoundError(
-            f"{path} has no {MANIFEST}: it is not a committed checkpoint (a save never "
-            "leaves one: its manifest was lost or deleted, and the checkpoint is damaged)"
-        )
-    ckdir = checkpoint_dir(path)
-    steps, lost = ckdir.steps(), ckdir.steps_without_manifest()
-    if not steps:
-        damaged = f"; damaged: {_lost_text(ckdir, lost)}" if lost else ""
-        raise CheckpointNotFoundError(
-            f"{path} holds no committed unbroken checkpoint (no step_*/{MANIFEST}){damaged}; "
-            "checkpoints of other tools can be brought in with `unbroken import`"
-        )
-    if step is None:
-        step = steps[-1]
-    elif step in lost:
-        raise CorruptCheckpointError(f"{_lost_text(ckdir, [step])}; committed steps: {steps}")
-    elif step not in steps:
-        raise CheckpointNotFoundError(
-            f"step {step} is not a committed checkpoint in {path}; committed steps: {steps}"
-        )
-    return ckdir.step_path(step)
-
-
-def _lost_text(ckdir: CheckpointDir, steps: list[int]) -> str:
-    names = ", ".join(ckdir.step_path(s).name for s in steps)
-    return (
-        f"{names} in {ckdir.root} {'has' if len(steps) == 1 else 'have'} no {MANIFEST} (the "
-        "manifest was lost or deleted: such a checkpoint is damaged and never restored)"
-    )
-
-
-def step_folders(path: str | os.PathLike | Location, *, damaged: bool = False) -> list[Location]:
-    """Every committed step folder under ``path`` (itself, if it is a step folder), by
-    step; with ``damaged``, also the step folders that lost their manifest.json."""
-    path = location(path)
-    locate(path)  # raises a clear error for anything that is not a checkpoint
-    if is_step_folder(path):
-        return [path]
-    ckdir = checkpoint_dir(path)
-    steps = ckdir.steps() + (ckdir.steps_without_manifest() if damaged else [])
-    return [ckdir.step_path(s) for s in sorted(steps)]
+    step: int | None  # the manifest's step (the folder name's if it cannot be read)
+    path: str  # the step folder
+    size_bytes: int  # bytes of its files (on a store: of the objects its manifest lists)
+    created_unix: float | None = None  # when it was saved, seconds since 1970 (UTC)
+    world_size: int | None = None  # ranks that saved it
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)  # torch, unbroken...
+    lineage: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # start, resumes
+    error: str | None = None  # why the manifest could not be read (None: it was)
+    committed: bool = True  # False: a step folder without manifest.json (damaged)
 
 
 @dataclasses.dataclass
-class CheckpointSummary:
-    """One step folder, as listed by ``unbroken inspect DIR``."""
+class RunInspection(JsonResult):
+    """A run folder's checkpoints: what :func:`inspect_checkpoint` returns for a run
+    folder without ``step`` (``unbroken inspect DIR --json`` prints :meth:`to_dict`)."""
 
-    step: int | None
-    path: str
-    size_bytes: int
-    created_unix: float | None = None
-    world_size: int | None = None
-    versions: dict[str, str] = dataclasses.field(default_factory=dict)
-    lineage: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    error: str | None = None  # the manifest could not be read
-    committed: bool = True  # False: a step folder without manifest.json (damaged)
+    path: str  # the run folder, as given
+    checkpoints: list[CheckpointSummary]  # every step folder, by step (damaged ones too)
+    branch: list[dict[str, Any]]  # the newest readable checkpoint's lineage: what restore()
+    # resumes (start, then each resume with its world size, resets, retired steps, replay)
+    retired: list[CheckpointSummary]  # abandoned branches kept aside (.retired-step_*)
+
+    @property
+    def newest(self) -> CheckpointSummary | None:
+        """The newest checkpoint whose manifest can be read (its lineage is ``branch``)."""
+        sound = [s for s in self.checkpoints if not s.error]
+        return sound[-1] if sound else None
+
+    @property
+    def unreadable(self) -> list[CheckpointSummary]:
+        """Committed checkpoints whose manifest cannot be read (the command exits 1)."""
+        return [s for s in self.checkpoints if s.error and s.committed]
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    """One saved (logical, unsharded) tensor."""
+
+    key: str  # its key in the manifest, e.g. ``model/inp.weight``
+    component: str | None  # the component whose state references it
+    shape: list[int]
+    dtype: str  # torch's name, e.g. ``bfloat16``
+    bytes: int  # of the whole tensor
+    fingerprint: str  # the layout-independent digest recorded at save
+    chunks: int  # pieces stored (shards)
+
+
+@dataclasses.dataclass
+class ComponentInfo:
+    """One saved component (``model``, ``optimizer``, ``scheduler``, ``rng``, an extra)."""
+
+    name: str
+    kind: str  # what saved it, e.g. ``model``, ``optimizer``, ``stateful``
+    per_rank: bool  # saved once per rank (rng, dataloader)
+    tensors: int  # tensors its state references
+    bytes: int  # their total size
+
+
+@dataclasses.dataclass
+class CheckpointInspection(JsonResult):
+    """One committed checkpoint in detail: what :func:`inspect_checkpoint` returns for a
+    step folder or a given step (``unbroken inspect DIR --step N --json``)."""
+
+    path: str  # the step folder
+    step: int
+    created_unix: float | None  # when it was saved, seconds since 1970 (UTC)
+    world_size: int  # ranks that saved it
+    versions: dict[str, str]  # torch, unbroken (and python) versions that saved it
+    lineage: list[dict[str, Any]]  # start, then each resume (world size, resets, replay)
+    metrics: list[dict[str, Any]]  # the tracked-metric window kept with it, one per step
+    probe: bool  # whether a probe value was recorded (checked after every restore)
+    components: list[ComponentInfo]
+    tensors: list[TensorInfo]  # every saved tensor, sorted by key
+    optimizer: OptimizerCoverage | None  # the model's coverage by the optimizer state
+    # (None without an optimizer); its ``failures`` make ``unbroken verify`` fail
+
+
+def inspect_checkpoint(
+    path: str | os.PathLike, *, step: int | None = None
+) -> RunInspection | CheckpointInspection:
+    """What a run's checkpoints hold, or one checkpoint in detail (``unbroken inspect``).
+
+    Reads only manifests (and, for the detail, the optimizer's scalar ``step`` tensors);
+    never writes. A checkpoint that a concurrent save prunes or re-saves while it is read
+    is read again as it is now, not reported as damaged.
+
+    Args:
+        path: a run folder (holding ``step_*`` folders) or one step folder; local, or an
+            fsspec URL such as ``s3://bucket/run``.
+        step: a committed step of the run folder to show in detail.
+
+    Returns:
+        :class:`RunInspection` for a run folder without ``step``: every step folder
+        summarized (one whose manifest is unreadable or missing is listed with its
+        ``error``, not raised). :class:`CheckpointInspection` for a step folder or a
+        given ``step``.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` does not exist or holds no committed checkpoint,
+            or ``step`` is not a committed step.
+        CorruptCheckpointError: the manifest of the checkpoint shown in detail is
+            damaged (or missing: ``step`` names a folder that lost it).
+
+    Example::
+
+        run = ub.inspect_checkpoint("ckpts/run1")
+        print([c.step for c in run.checkpoints])
+        detail = ub.inspect_checkpoint("ckpts/run1", step=200)
+        print(detail.world_size, [t.key for t in detail.tensors][:3])
+    """
+    if step is None and not is_step_folder(path):
+        return _inspect_run(path)
+    return _inspect_one(path, step)
+
+
+def _inspect_run(path: str | os.PathLike) -> RunInspection:
+    found = RunInspection(str(path), list_checkpoints(path), [], retired_checkpoints(path))
+    if found.newest is not None:
+        found.branch = found.newest.lineage
+    return found
+
+
+def _inspect_one(path: str | os.PathLike, step: int | None) -> CheckpointInspection:
+    """The folder meant, read again if a concurrent save prunes or re-saves it while it
+    is read (that is not damage)."""
+    # torch: only the detail reads tensors (the optimizer's `step` values).
+    from ..format.tensor_reader import TensorReader
+    from .coverage import optimizer_coverage
+
+    for _ in range(MAX_RELISTS):
+        folder = locate(path, step)
+        seen = folder.identity()
+        try:
+            doc = manifest.read(folder)
+            with TensorReader(folder, doc) as reader:
+                coverage = optimizer_coverage(doc, read=reader.read)
+        except CheckpointError:
+            if not vanished(folder, seen):
+                raise
+            continue
+        tensors = tensors_of(doc)
+        return CheckpointInspection(
+            path=str(folder),
+            step=doc["step"],
+            created_unix=doc.get("created_unix"),
+            world_size=doc["world_size"],
+            versions=dict(doc.get("versions", {})),
+            lineage=list(doc["lineage"]),
+            metrics=list(doc.get("metrics") or []),
+            probe=doc.get("probe") is not None,
+            components=components_of(doc, tensors),
+            tensors=tensors,
+            optimizer=coverage,
+        )
+    raise CheckpointError(f"{path} changed faster than it could be read")
 
 
 def summarize(folder: Location) -> CheckpointSummary:
@@ -175,58 +253,6 @@ def retired_checkpoints(path: str | os.PathLike | Location) -> list[CheckpointSu
     return [summarize(folder) for _, folder in checkpoint_dir(path).retired()]
 
 
-def component_skeletons(doc: dict[str, Any], name: str) -> list[Any]:
-    """The JSON skeleton(s) of a component: one, or one per rank for per-rank state."""
-    entry = doc["components"][name]
-    if entry.get("per_rank"):
-        return [entry["ranks"][r] for r in sorted(entry.get("ranks", {}), key=int)]
-    return [entry.get("state")]
-
-
-def tensor_components(doc: dict[str, Any]) -> dict[str, str]:
-    """Tensor key -> name of the component whose state references it."""
-    owner: dict[str, str] = {}
-    for name in doc["components"]:
-        for skeleton in component_skeletons(doc, name):
-            for key in tree.tensor_keys(skeleton):
-                owner.setdefault(key, name)
-    return owner
-
-
-def unescape(segment: str) -> str:
-    return segment.replace("%2F", "/").replace("%25", "%")
-
-
-def model_fqns(doc: dict[str, Any]) -> dict[str, str]:
-    """Normalized model FQN -> tensor key (``<name>.<fqn>`` for a dict of models)."""
-    if "model" not in doc["components"]:
-        return {}
-    keys = tree.tensor_keys(doc["components"]["model"].get("state"))
-    # A reference to an unlisted tensor is damage that `unbroken verify` names.
-    listed = [key for key in keys if key in doc["tensors"]]
-    return {".".join(unescape(s) for s in key.split("/")[1:]): key for key in listed}
-
-
-@dataclasses.dataclass
-class TensorInfo:
-    key: str
-    component: str | None
-    shape: list[int]
-    dtype: str
-    bytes: int
-    fingerprint: str
-    chunks: int
-
-
-@dataclasses.dataclass
-class ComponentInfo:
-    name: str
-    kind: str
-    per_rank: bool
-    tensors: int
-    bytes: int
-
-
 def tensors_of(doc: dict[str, Any]) -> list[TensorInfo]:
     """Every saved tensor, sorted by key, with its owning component."""
     owner = tensor_components(doc)
@@ -236,7 +262,7 @@ def tensors_of(doc: dict[str, Any]) -> list[TensorInfo]:
             component=owner.get(key),
             shape=list(entry["shape"]),
             dtype=entry["dtype"],
-            bytes=tensor_nbytes(entry),
+            bytes=manifest.tensor_nbytes(entry),
             fingerprint=entry.get("fingerprint", ""),
             chunks=len(entry["chunks"]),
         )
@@ -245,6 +271,7 @@ def tensors_of(doc: dict[str, Any]) -> list[TensorInfo]:
 
 
 def components_of(doc: dict[str, Any], tensors: list[TensorInfo]) -> list[ComponentInfo]:
+    """Every saved component with the count and size of the tensors it references."""
     out = []
     for name, entry in doc["components"].items():
         mine = [t for t in tensors if t.component == name]

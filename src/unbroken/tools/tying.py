@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from ..format import bitwise
-from .inspection import model_fqns
+from .contents import model_fqns
 
 
 def tied_weights(doc: dict[str, Any]) -> dict[str, str]:

@@ -1,0 +1,44 @@
+"""What a manifest's components hold, from the JSON alone: each component's skeleton(s),
+the tensors each references, and the model's parameter and buffer FQNs.
+
+Shared by every offline tool (inspection, verification, comparison, export, coverage).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..format import tree
+
+
+def component_skeletons(doc: dict[str, Any], name: str) -> list[Any]:
+    """The JSON skeleton(s) of a component: one, or one per rank for per-rank state."""
+    entry = doc["components"][name]
+    if entry.get("per_rank"):
+        return [entry["ranks"][r] for r in sorted(entry.get("ranks", {}), key=int)]
+    return [entry.get("state")]
+
+
+def tensor_components(doc: dict[str, Any]) -> dict[str, str]:
+    """Tensor key -> name of the component whose state references it."""
+    owner: dict[str, str] = {}
+    for name in doc["components"]:
+        for skeleton in component_skeletons(doc, name):
+            for key in tree.tensor_keys(skeleton):
+                owner.setdefault(key, name)
+    return owner
+
+
+def unescape(segment: str) -> str:
+    """A key segment as the name it escapes (``%2F`` stands for ``/``, ``%25`` for ``%``)."""
+    return segment.replace("%2F", "/").replace("%25", "%")
+
+
+def model_fqns(doc: dict[str, Any]) -> dict[str, str]:
+    """Normalized model FQN -> tensor key (``<name>.<fqn>`` for a dict of models)."""
+    if "model" not in doc["components"]:
+        return {}
+    keys = tree.tensor_keys(doc["components"]["model"].get("state"))
+    # A reference to an unlisted tensor is damage that `unbroken verify` names.
+    listed = [key for key in keys if key in doc["tensors"]]
+    return {".".join(unescape(s) for s in key.split("/")[1:]): key for key in listed}
