@@ -1,5 +1,6 @@
-"""One save, one restore, post-restore verification, and the collectives that make every
-rank reach the same decision.
+"""One save, one restore (as its phases), post-restore verification, and the collectives
+that make every rank reach the same decision.
 
-Imports ``live``, ``format``, ``errors`` and ``report``; never ``proof``, ``tools`` or ``cli``.
+Imports ``live``, ``format``, ``storage``, ``errors`` and ``report``; never ``proof``,
+``tools`` or ``cli``.
 """
