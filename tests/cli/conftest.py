@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,13 @@ def run_json(*args: object, code: int = 0):
     result = run_cli(*args, "--json")
     assert result.exit_code == code, result.stdout + result.stderr
     return json.loads(result.stdout)
+
+
+def flip_bit(path: Path, at: int) -> None:
+    """Flip the lowest bit of byte ``at`` of the file ``path`` (damage a checksum sees)."""
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -54,6 +62,14 @@ def single_run(tmp_path_factory) -> Path:
             ckpt.save(step)
     ckpt.close()
     return root
+
+
+@pytest.fixture
+def run(single_run, tmp_path) -> Path:
+    """A copy of :func:`single_run` that a test may damage."""
+    copy = tmp_path / "run"
+    shutil.copytree(single_run, copy)
+    return copy
 
 
 @pytest.fixture(scope="session")

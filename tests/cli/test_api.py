@@ -9,7 +9,6 @@ command prints with `--json`; errors are the library's (not a checkpoint:
 from __future__ import annotations
 
 import itertools
-import shutil
 
 import pytest
 import torch
@@ -19,20 +18,7 @@ import unbroken as ub
 from conftest import Problem
 
 from . import factories
-from .conftest import run_cli, run_json
-
-
-@pytest.fixture
-def run(single_run, tmp_path):
-    copy = tmp_path / "run"
-    shutil.copytree(single_run, copy)
-    return copy
-
-
-def _flip(path, at):
-    data = bytearray(path.read_bytes())
-    data[at] ^= 0x01
-    path.write_bytes(bytes(data))
+from .conftest import flip_bit, run_cli, run_json
 
 
 def _progress():
@@ -116,7 +102,7 @@ def test_verify_a_sound_run(single_run):
 
 
 def test_verify_reports_damage_and_refuses_what_is_not_a_checkpoint(run, tmp_path):
-    _flip(run / "step_00000004" / "rank_00000.bin", 100)
+    flip_bit(run / "step_00000004" / "rank_00000.bin", 100)
     report = ub.verify_checkpoint(run, step=4)
     assert not report.ok and report.to_dict()["ok"] is False
     (checked,) = report.checkpoints
@@ -194,7 +180,7 @@ def test_export_errors(run, tmp_path):
             ub.export_checkpoint(run, out, dtype=dtype)
     with pytest.raises(ub.CheckpointNotFoundError, match="step 3"):
         ub.export_checkpoint(run, out, step=3)
-    _flip(run / "step_00000004" / "rank_00000.bin", 100)
+    flip_bit(run / "step_00000004" / "rank_00000.bin", 100)
     with pytest.raises(ub.CorruptCheckpointError, match="checksum"):
         ub.export_checkpoint(run, out)
     assert not out.exists() and run_cli("export", run, "--to", out).exit_code == 1

@@ -9,20 +9,7 @@ import pytest
 
 from unbroken.format import manifest
 
-from .conftest import run_cli, run_json
-
-
-@pytest.fixture
-def run(single_run, tmp_path):
-    copy = tmp_path / "run"
-    shutil.copytree(single_run, copy)
-    return copy
-
-
-def _flip(path, at):
-    data = bytearray(path.read_bytes())
-    data[at] ^= 0x01
-    path.write_bytes(bytes(data))
+from .conftest import flip_bit, run_cli, run_json
 
 
 def test_sound_checkpoint(single_run):
@@ -46,7 +33,7 @@ def test_all_steps(single_run):
     [
         (lambda d: (d / "rank_00000.bin").write_bytes((d / "rank_00000.bin").read_bytes()[:-9]),
          "rank_00000.bin", "truncated"),
-        (lambda d: _flip(d / "rank_00000.bin", 100), "rank_00000.bin", "fail their checksum"),
+        (lambda d: flip_bit(d / "rank_00000.bin", 100), "rank_00000.bin", "fail their checksum"),
         (lambda d: (d / "rank_00000.bin").unlink(), "rank_00000.bin", "is missing"),
         (lambda d: (d / "stray.bin").write_bytes(b"x"), "stray.bin", "not listed"),
         (lambda d: (d / "manifest.json").write_text(
@@ -113,7 +100,7 @@ def test_fsdp_checkpoint_and_a_flipped_bit_on_rank_1(fsdp_run, tmp_path):
     assert info["ok"] and info["checkpoints"][0]["files_checked"] == 2
     copy = tmp_path / "run"
     shutil.copytree(root, copy)
-    _flip(copy / "step_00000003" / "rank_00001.bin", 50)
+    flip_bit(copy / "step_00000003" / "rank_00001.bin", 50)
     result = run_cli("verify", copy)
     assert result.exit_code == 1 and "rank_00001.bin" in result.stdout
 

@@ -18,13 +18,6 @@ from conftest import Problem
 from .conftest import run_cli, run_json
 
 
-@pytest.fixture
-def run(single_run, tmp_path):
-    copy = tmp_path / "run"
-    shutil.copytree(single_run, copy)
-    return copy
-
-
 def _link_shard(step, outside):
     shard = step / "rank_00000.bin"
     shutil.copy(shard, outside / shard.name)

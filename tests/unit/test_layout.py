@@ -12,6 +12,7 @@ import ast
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -63,17 +64,26 @@ def _module_path(path: Path) -> tuple[str, ...]:
     return parts[:-1] if parts[-1] == "__init__" else parts
 
 
-def _imported_units(path: Path) -> list[tuple[int, str, str]]:
-    """(line, import as written, unit of ours it reaches) for every import in ``path``."""
+class Import(NamedTuple):
+    line: int
+    written: str  # the import as written, for messages
+    module: tuple[str, ...]  # the module of ours it reaches (``from pkg import mod``: pkg.mod)
+    name: str | None  # the name it takes from that module (None: the module itself)
+    bound: str  # the name it binds here
+
+
+def _our_imports(path: Path) -> Iterator[Import]:
+    """Every import of ours in ``path``, one per name imported."""
+    known = {_module_path(p) for p in _modules()}
     module = _module_path(path)
     package = module if path.name == "__init__.py" else module[:-1]
-    found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
                 if parts[0] == "unbroken":
-                    found.append((node.lineno, f"import {alias.name}", _unit(tuple(parts[1:]))))
+                    bound = alias.asname or parts[0]
+                    yield Import(node.lineno, f"import {alias.name}", tuple(parts[1:]), None, bound)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package[: len(package) - (node.level - 1)]
@@ -82,13 +92,13 @@ def _imported_units(path: Path) -> list[tuple[int, str, str]]:
                 target = tuple(node.module.split(".")[1:])
             else:
                 continue
-            written = f"from {'.' * node.level}{node.module or ''} import "
-            if target:
-                names = ", ".join(a.name for a in node.names)
-                found.append((node.lineno, written + names, _unit(target)))
-            else:  # from the package root: each name is a unit of its own
-                found.extend((node.lineno, written + a.name, a.name) for a in node.names)
-    return found
+            for alias in node.names:
+                written = f"from {'.' * node.level}{node.module or ''} import {alias.name}"
+                bound = alias.asname or alias.name
+                if (*target, alias.name) in known:
+                    yield Import(node.lineno, written, (*target, alias.name), None, bound)
+                else:
+                    yield Import(node.lineno, written, target, alias.name, bound)
 
 
 def layout_violations() -> list[str]:
@@ -99,38 +109,13 @@ def layout_violations() -> list[str]:
         if unit not in ALLOWED:
             problems.append(f"{rel}: unit {unit!r} has no row in ALLOWED (add it, with its rule)")
             continue
-        for line, written, target in _imported_units(path):
+        for imp in _our_imports(path):
+            target = _unit(imp.module)
             if target != unit and target not in ALLOWED[unit]:
-                problems.append(f"{rel}:{line}: `{written}` ({unit} may not import {target})")
+                problems.append(
+                    f"{rel}:{imp.line}: `{imp.written}` ({unit} may not import {target})"
+                )
     return problems
-
-
-def _our_imports(path: Path) -> Iterator[tuple[int, tuple[str, ...], str | None, str]]:
-    """(line, module of ours imported, the name taken from it or None, the name bound
-    here) for every import in ``path``; ``from pkg import mod`` reaches ``pkg.mod``."""
-    known = {_module_path(p) for p in _modules()}
-    module = _module_path(path)
-    package = module if path.name == "__init__.py" else module[:-1]
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                parts = alias.name.split(".")
-                if parts[0] == "unbroken":
-                    yield node.lineno, tuple(parts[1:]), None, alias.asname or parts[0]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - (node.level - 1)]
-                target = base + tuple(node.module.split(".") if node.module else ())
-            elif node.module and node.module.split(".")[0] == "unbroken":
-                target = tuple(node.module.split(".")[1:])
-            else:
-                continue
-            for alias in node.names:
-                bound = alias.asname or alias.name
-                if (*target, alias.name) in known:
-                    yield node.lineno, (*target, alias.name), None, bound
-                else:
-                    yield node.lineno, target, alias.name, bound
 
 
 def _name(module: tuple[str, ...]) -> str:
@@ -141,7 +126,7 @@ def circles() -> list[list[str]]:
     """Every set of modules that import each other in a loop (strongly connected
     components of the import graph), each as sorted module names."""
     graph = {
-        _module_path(p): {m for _, m, _, _ in _our_imports(p) if m != _module_path(p)}
+        _module_path(p): {i.module for i in _our_imports(p) if i.module != _module_path(p)}
         for p in _modules()
     }
     order: dict[tuple[str, ...], int] = {}
@@ -179,11 +164,11 @@ def private_uses() -> list[str]:
         here = _module_path(path)
         rel = path.relative_to(PACKAGE.parent)
         modules = {}
-        for line, module, name, bound in _our_imports(path):
-            if name is None:
-                modules[bound] = module
-            elif module != here and name.startswith("_") and not name.startswith("__"):
-                problems.append(f"{rel}:{line}: imports {name} from {_name(module)}")
+        for imp in _our_imports(path):
+            if imp.name is None:
+                modules[imp.bound] = imp.module
+            elif imp.module != here and imp.name.startswith("_") and not imp.name.startswith("__"):
+                problems.append(f"{rel}:{imp.line}: imports {imp.name} from {_name(imp.module)}")
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if (
                 isinstance(node, ast.Attribute)
