@@ -1,9 +1,11 @@
 """Prove that stopping and resuming changes nothing: the resume-determinism harness.
 
-Runs a training command (or an importable function) three times in fresh processes:
-straight through, then stopped at step K through ``UNBROKEN_STOP_AT``, then resumed in
-the same checkpoint folder. Every tracked metric after K and the final state's
-fingerprints must be bit-identical. Usable from pytest::
+Runs a training command (or an importable function) in fresh processes: straight
+through, then stopped at step K through ``UNBROKEN_STOP_AT``, then resumed in the same
+checkpoint folder (with several stops K1 < K2 < ...: resumed and stopped again at each,
+the last resume running to the end). The resumed run must have restored each stop step
+(its checkpoints' lineage), and every tracked metric after the first stop and the whole
+final state (tensors and non-tensor values) must be bit-identical. Usable from pytest::
 
     from unbroken.testing import assert_resumes_exactly
 
@@ -17,21 +19,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from .format import manifest
 from .live.stopping import STOP_AT_ENV
 from .proof.metrics import read_series
 from .proof.plotting import plot_resume_test
-from .proof.replay import ResumeTestResult, compare
+from .proof.replay import ResumeTestResult, compare, stop_steps
+from .proof.resume_lineage import ordinal
 from .proof.runs import Command, RunFailed, run
+from .storage.interface import Location
 from .storage.locate import checkpoint_dir, location
 
 
 def resume_test(
     command: Command,
     *,
-    stop_at: int,
+    stop_at: int | Sequence[int],
     workdir: str | os.PathLike,
     resume_command: Command | None = None,
     tolerance: float = 0.05,
@@ -43,21 +49,29 @@ def resume_test(
 ) -> ResumeTestResult:
     """Run ``command`` straight and stopped-at-``stop_at``-then-resumed; compare.
 
-    ``command`` is an argv list or shell-style string containing ``{dir}`` (replaced by a
-    fresh checkpoint folder per run), or a function ``fn(dir)`` importable by module path
-    (run in a spawned process). With ``resume_command`` (e.g. another world size) the
-    resumed run may differ within ``tolerance`` (relative); the restore itself is still
-    verified exactly by the library. ``plot`` draws ``resume-test.png`` (it needs
-    matplotlib; without it the result says so in a note and the verdict is unchanged).
-    ``parallel`` runs the straight and the stopped run at the same time (they share
-    nothing): faster where the machine has room for both, wrong for commands that need a
-    whole GPU or bind a fixed port (torchrun without ``--standalone`` or distinct
+    ``stop_at`` is a step K, or increasing steps [K1, K2, ...]: the second run stops at
+    K1, is resumed and stopped at K2, ..., and the last resume runs to the end (a bug
+    that shows only on a second resume needs two stops). The resumed run must restore
+    each stop step in turn, as its checkpoints' lineage records, or the verdict is NOT
+    RESUMED whatever the metrics say. ``command`` is an argv list or shell-style string
+    containing ``{dir}`` (replaced by a fresh checkpoint folder per run), or a function
+    ``fn(dir)`` importable by module path (run in a spawned process). With
+    ``resume_command`` (e.g. another world size; used for every resume) the resumed run
+    may differ within ``tolerance`` (relative); the restore itself is still verified
+    exactly by the library. ``plot`` draws ``resume-test.png`` (it needs matplotlib;
+    without it the result says so in a note and the verdict is unchanged). ``parallel``
+    runs the straight and the stopped run at the same time (they share nothing): faster
+    where the machine has room for both, wrong for commands that need a whole GPU or
+    bind a fixed port (torchrun without ``--standalone`` or distinct
     ``--master_port``s). ``store``: a URL (``s3://bucket/prefix``) under which the two
     runs keep their checkpoints (``straight`` and ``resumed``) instead of ``workdir``,
     which still gets the logs, report and plot.
+
+    Raises:
+        ValueError: a bad ``stop_at``, or a used workdir or store prefix.
+        RunFailed: a run failed, or a stopped run committed no checkpoint at its stop.
     """
-    if stop_at < 1:
-        raise ValueError(f"stop_at must be >= 1, got {stop_at}")
+    stops = stop_steps(stop_at)
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
     base = location(work if store is None else store)
@@ -69,7 +83,7 @@ def resume_test(
     base_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != STOP_AT_ENV}
     first_runs = [
         (straight, base_env, work / "straight.log"),
-        (resumed, {**base_env, STOP_AT_ENV: str(stop_at)}, work / "stopped.log"),
+        (resumed, {**base_env, STOP_AT_ENV: str(stops[0])}, work / "stopped.log"),
     ]
     if parallel:
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="unbroken-run") as pool:
@@ -79,14 +93,16 @@ def resume_test(
     else:
         for args in first_runs:
             run(command, *args, timeout)
-    if checkpoint_dir(resumed).steps()[-1:] != [stop_at]:
-        raise RunFailed(
-            f"the stopped run did not commit a checkpoint at step {stop_at} (see "
-            f"{work / 'stopped.log'}); does the script call ckpt.should_stop(step) and save?"
-        )
+    seen = _stopped_at(resumed, stops[0], work / "stopped.log", "the stopped run")
+    for i, stop in enumerate(stops[1:], start=1):  # each resume but the last stops again
+        log = work / f"resumed-{i}.log"
+        run(resume_command or command, resumed, {**base_env, STOP_AT_ENV: str(stop)}, log,
+            timeout)  # fmt: skip
+        for step, doc in _stopped_at(resumed, stop, log, f"the {ordinal(i)} resume").items():
+            seen.setdefault(step, doc)
     run(resume_command or command, resumed, base_env, work / "resumed.log", timeout)
-    result = compare(straight, resumed, stop_at=stop_at, exact=resume_command is None,
-                     tolerance=tolerance)  # fmt: skip
+    result = compare(straight, resumed, stop_at=stops, exact=resume_command is None,
+                     tolerance=tolerance, checkpoints=seen)  # fmt: skip
     result.report_path = str(work / "resume-test-report.txt")
     if plot:
         try:
@@ -94,7 +110,7 @@ def resume_test(
                 read_series(straight),
                 read_series(resumed),
                 work / "resume-test.png",
-                stop_at=stop_at,
+                stop_at=stops,
                 title=f"resume test: {'passed' if result.passed else 'FAILED'}",
                 first_difference=result.first_difference_step,
             )
@@ -105,10 +121,34 @@ def resume_test(
     return result
 
 
+def _stopped_at(folder: Location, stop: int, log: Path, who: str) -> dict[int, dict]:
+    """The manifests of ``folder``'s checkpoints once a run stopped at ``stop`` (the
+    evidence of what it restored and held, before a later run prunes them).
+
+    Raises:
+        RunFailed: its newest checkpoint is not of step ``stop``.
+    """
+    ckdir = checkpoint_dir(folder)
+    steps = ckdir.steps()
+    if steps[-1:] != [stop]:
+        raise RunFailed(
+            f"{who} did not commit a checkpoint at step {stop} (see {log}); does the "
+            "script call ckpt.should_stop(step) and save?"
+        )
+    return {step: manifest.read(ckdir.step_path(step)) for step in steps}
+
+
 def assert_resumes_exactly(
-    command: Command, *, stop_at: int, workdir, **kwargs
+    command: Command, *, stop_at: int | Sequence[int], workdir, **kwargs
 ) -> ResumeTestResult:
-    """:func:`resume_test`, raising ``AssertionError`` with the report unless identical."""
+    """:func:`resume_test`, raising ``AssertionError`` with the report unless it passed
+    (IDENTICAL; CLOSE with a ``resume_command``).
+
+    Example::
+
+        assert_resumes_exactly(["python", "train.py", "{dir}"], stop_at=[10, 20],
+                               workdir=tmp_path)
+    """
     result = resume_test(command, stop_at=stop_at, workdir=workdir, **kwargs)
     if not result.passed:
         raise AssertionError(str(result))

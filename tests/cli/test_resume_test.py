@@ -14,6 +14,7 @@ import pytest
 from .conftest import Problem
 
 TINY = Path(__file__).parents[1] / "e2e" / "scripts" / "tiny_train.py"
+CASES = Path(__file__).parents[1] / "e2e" / "scripts" / "resume_cases.py"
 
 
 def _unbroken(*args, env=None):
@@ -45,10 +46,43 @@ def test_resume_test_fails_on_a_lost_optimizer_naming_the_step(tmp_path):
     assert "DIFFERENT" in (tmp_path / "w" / "resume-test-report.txt").read_text()
 
 
+def test_resume_test_is_not_resumed_when_the_script_starts_fresh(tmp_path):
+    """A Checkpointer with overwrite=True starts fresh at every launch: its metrics are
+    the straight run's, but it never restored step 8. NOT RESUMED, exit 1."""
+    done = _unbroken("resume-test", "--stop-at", "8", "--workdir", tmp_path / "w",
+                     "--parallel", "--", sys.executable, CASES, "{dir}", "--steps", "12",
+                     "--overwrite")  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert done.stdout.startswith("resume test: NOT RESUMED (stopped at step 8, ")
+    assert "not resumed: the resumed run (meant to continue from step 8) started fresh: " \
+           "its checkpoint of step 12 has no resume in its lineage" in done.stdout  # fmt: skip
+    assert "first difference" not in done.stdout  # the metrics alone could not tell
+
+
+def test_resume_test_compares_the_non_tensor_state(tmp_path):
+    """An extra whose counter is not restored: metrics and tensors identical, the saved
+    counter not. DIFFERENT, exit 1, the value and the cause named (--json: new keys)."""
+    done = _unbroken("resume-test", "--stop-at", "8", "--workdir", tmp_path / "w", "--json",
+                     "--parallel", "--", sys.executable, CASES, "{dir}", "--steps", "12",
+                     "--lost-counter")  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    result = json.loads(done.stdout)
+    assert result["verdict"] == "DIFFERENT" and not result["passed"] and result["resumed"]
+    assert result["first_difference"] is None
+    assert result["state_differences"] == ["progress/samples: 192 vs 64"]
+    assert result["cause"].startswith(
+        "the checkpoints are identical at step 8, where the run stopped, and differ at step "
+        "12, after the 1st resume, from step 8: the resume lost or changed something; the "
+        "saved state differs in progress (progress/samples: 192 vs 64)"
+    ), result["cause"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--stop-at", "3", "--", "python", "train.py"], "must contain {dir}"),
-     (["--stop-at", "3"], "after --")],
+     (["--stop-at", "3"], "after --"),
+     (["--stop-at", "20,10", "--", "python", "train.py", "{dir}"], "increasing steps"),
+     (["--stop-at", "0", "--", "python", "train.py", "{dir}"], "a step >= 1")],
 )  # fmt: skip
 def test_resume_test_usage_errors(args, message):
     done = _unbroken("resume-test", *args)

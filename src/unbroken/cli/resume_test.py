@@ -1,9 +1,11 @@
-"""``unbroken resume-test --stop-at K [--resume-cmd "..."] -- CMD ...``: prove a resume."""
+"""``unbroken resume-test --stop-at K[,K2,...] [--resume-cmd "..."] -- CMD ...``: prove a
+resume."""
 
 from __future__ import annotations
 
 import shlex
 import tempfile
+from itertools import pairwise
 from pathlib import Path
 from typing import Annotated
 
@@ -25,15 +27,19 @@ HELP = """Run CMD straight, then stopped at step K and resumed, and compare.
 
 CMD must contain {dir}, replaced by a fresh checkpoint folder for each run, and must use
 ub.Checkpointer with should_stop() (UNBROKEN_STOP_AT=K stops the second run at K).
-Every tracked metric after K and the final state's fingerprints must be bit-identical.
-With --resume-cmd (e.g. another world size) the resumed run may deviate by up to
+--stop-at 10,20 stops and resumes at each step in turn (a bug that shows only on a
+second resume needs two). The resumed run must restore each stop step (its checkpoints'
+lineage says so: otherwise NOT RESUMED), and every tracked metric after the first stop
+and the whole final state (tensors and non-tensor values) must be bit-identical. With
+--resume-cmd (e.g. another world size) the resumed run may deviate by up to
 --tolerance (relative); the restore itself is still verified exactly.
 
 Writes a text report, a JSON result and a PNG plot into --workdir (default: a new
 temporary folder, printed). With --store URL the runs keep their checkpoints on an
 object store (URL/straight and URL/resumed; {dir} is replaced by those URLs). Exit 0
-when identical (or within tolerance), 1 otherwise (the first differing step and metric
-named), 2 on bad usage (a used folder or prefix included)."""
+when identical (or within tolerance), 1 otherwise (NOT RESUMED, or the first differing
+step and metric named, with a cause only where the checkpoints show one), 2 on bad usage
+(a used folder or prefix included)."""
 
 
 def register(app: typer.Typer) -> None:
@@ -48,7 +54,12 @@ def register(app: typer.Typer) -> None:
 
 def resume_test_command(
     ctx: typer.Context,
-    stop_at: Annotated[int, typer.Option("--stop-at", min=1, help="Step K to stop at.")],
+    stop_at: Annotated[
+        str,
+        typer.Option(
+            "--stop-at", help="Step K to stop at, or increasing steps K1,K2,... to stop at each."
+        ),
+    ],
     resume_cmd: Annotated[
         str | None, typer.Option("--resume-cmd", help="Command for the resumed run.")
     ] = None,
@@ -79,6 +90,7 @@ def resume_test_command(
 ) -> None:
     from ..testing import RunFailed, resume_test
 
+    stops = _stops(stop_at)
     command = list(ctx.args)
     if not command:
         raise typer.BadParameter("give the training command after --, containing {dir}")
@@ -92,7 +104,7 @@ def resume_test_command(
         try:
             result = resume_test(
                 command,
-                stop_at=stop_at,
+                stop_at=stops,
                 workdir=work,
                 resume_command=shlex.split(resume_cmd) if resume_cmd else None,
                 tolerance=tolerance,
@@ -111,3 +123,17 @@ def resume_test_command(
         stdout().print(str(result), markup=False, highlight=False)
     if not result.passed:
         raise typer.Exit(EXIT_FAILED)
+
+
+def _stops(text: str) -> int | list[int]:
+    """``--stop-at 20`` -> 20; ``--stop-at 10,20`` -> [10, 20]."""
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        steps = [int(p) for p in parts]
+    except ValueError:
+        steps = []
+    if not steps or any(k < 1 for k in steps) or any(b <= a for a, b in pairwise(steps)):
+        raise typer.BadParameter(
+            f"--stop-at takes a step >= 1 or increasing steps (10,20,30), got {text!r}"
+        )
+    return steps[0] if len(steps) == 1 else steps

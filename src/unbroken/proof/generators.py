@@ -8,42 +8,43 @@ of listing hundreds of state words; the resume test and ``unbroken diff`` both d
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from ..format.tree import TAG
+from ..format.state_compare import skeleton_differences
 
 # How people name the generators the ``rng`` component saves (live/rng.py).
 LABELS = {"python": "python random", "numpy": "numpy", "torch": "torch CPU", "cuda": "torch CUDA"}
 
 
-def generator_states(doc: dict[str, Any]) -> dict[tuple[int, str], str]:
-    """(rank, generator) -> a canonical text of its saved state; {} without ``rng``.
-
-    Tensors stand as their fingerprints (layout-independent), so two checkpoints' states
-    compare equal exactly when every value and every saved tensor is equal.
-    """
+def generator_states(doc: dict[str, Any]) -> dict[tuple[int, str], Any]:
+    """(rank, generator) -> its saved state (a JSON skeleton); {} without ``rng``."""
     comp = doc["components"].get("rng")
     if comp is None:
         return {}
     ranks = comp.get("ranks") if comp.get("per_rank") else {"0": comp.get("state")}
-    out: dict[tuple[int, str], str] = {}
+    out: dict[tuple[int, str], Any] = {}
     for rank, skeleton in (ranks or {}).items():
         if not isinstance(skeleton, dict):
             continue
         for name, state in skeleton.items():
-            resolved = _resolve(state, doc["tensors"])
-            out[(int(rank), name)] = json.dumps(resolved, sort_keys=True, default=str)
+            out[(int(rank), name)] = state
     return out
 
 
 def differing(a: dict[str, Any], b: dict[str, Any]) -> dict[tuple[int, str], bool]:
     """(rank, generator) -> whether its state differs between manifests ``a`` and ``b``
-    (a generator saved in only one of them differs)."""
+    (a generator saved in only one of them differs), by the one "same value" rule
+    (format/state_compare.py: saved tensors by their fingerprints, numbers by bits)."""
     sa, sb = generator_states(a), generator_states(b)
+    tables = (a["tensors"], b["tensors"])
     order = list(LABELS)
     keys = sorted(sa.keys() | sb.keys(), key=lambda k: (k[0], _index(order, k[1]), k[1]))
-    return {key: sa.get(key) != sb.get(key) for key in keys}
+    return {
+        key: key not in sa
+        or key not in sb
+        or bool(skeleton_differences([sa[key]], [sb[key]], key[1], tables=tables))
+        for key in keys
+    }
 
 
 def label(rank: int, name: str, world_size: int) -> str:
@@ -54,14 +55,3 @@ def label(rank: int, name: str, world_size: int) -> str:
 
 def _index(order: list[str], name: str) -> int:
     return order.index(name) if name in order else len(order)
-
-
-def _resolve(node: Any, tensors: dict[str, Any]) -> Any:
-    if isinstance(node, dict):
-        if node.get(TAG) == "tensor":
-            entry = tensors.get(node.get("key"), {})
-            return {"tensor": [entry.get("dtype"), entry.get("shape"), entry.get("fingerprint")]}
-        return {k: _resolve(v, tensors) for k, v in node.items()}
-    if isinstance(node, list):
-        return [_resolve(v, tensors) for v in node]
-    return node

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..format import bitwise
 from .metrics import Series
 
 MISSING = "plots need matplotlib, which is not installed: pip install 'unbroken[plot]'"
 _STYLES = ["-", "--", ":", "-."]
+Mark = tuple[str, int]  # (what, step): a dashed line labelled "what (step)"
 
 
 def pyplot() -> Any:
@@ -64,13 +66,15 @@ def plot_resume_test(
     resumed: Series,
     out: str | os.PathLike,
     *,
-    stop_at: int,
+    stop_at: int | Sequence[int],
     title: str = "",
     first_difference: int | None = None,
 ) -> str:
     """The resume test's plot: each metric, straight and stopped + resumed, and below them
-    a panel of the difference (resumed minus straight, symlog), the first differing step
-    marked, so a failed verdict shows its cause.
+    a panel of the difference (resumed minus straight, symlog), each stop and the first
+    differing step marked, so a failed verdict shows its cause. The panel says "every
+    value identical" only when every value is the same by bits (format/bitwise.py): a
+    -0.0 against 0.0 differs though its difference is zero.
 
     Raises:
         ImportError: no matplotlib. ValueError: no tracked metrics.
@@ -86,11 +90,9 @@ def plot_resume_test(
         squeeze=False,
         gridspec_kw={"height_ratios": [1] * len(names) + [1.1]},
     )
-    marks = {"stop": stop_at}
-    if first_difference is not None:
-        marks["first difference"] = first_difference
+    marks = _marks_of(stop_at, first_difference)
     _metric_panels(axes[:-1, 0], names, runs, marks)
-    _difference_panel(axes[-1, 0], names, straight, resumed, stop_at, first_difference)
+    _difference_panel(axes[-1, 0], names, straight, resumed, marks)
     axes[-1, 0].set_xlabel("step")
     return _save(plt, fig, out, title)
 
@@ -102,8 +104,16 @@ def _names(runs: Mapping[str, Series]) -> list[str]:
     return names
 
 
-def _metric_panels(axes, names, runs: Mapping[str, Series], marks: Mapping[str, int]) -> None:
-    resumes = sorted({r for s in runs.values() for r in s.resumes} - set(marks.values()))
+def _marks_of(stop_at: int | Sequence[int], first_difference: int | None) -> list[Mark]:
+    stops = [stop_at] if isinstance(stop_at, int) else list(stop_at)
+    marks = [("stop", k) for k in stops]
+    if first_difference is not None:
+        marks.append(("first difference", first_difference))
+    return marks
+
+
+def _metric_panels(axes, names, runs: Mapping[str, Series], marks: list[Mark]) -> None:
+    resumes = sorted({r for s in runs.values() for r in s.resumes} - {k for _, k in marks})
     for row, (ax, name) in enumerate(zip(axes, names, strict=True)):
         for i, (label, series) in enumerate(runs.items()):
             points = series.values.get(name, [])
@@ -120,9 +130,9 @@ def _metric_panels(axes, names, runs: Mapping[str, Series], marks: Mapping[str, 
         ax.legend(fontsize=8, loc="upper right")
 
 
-def _marks(ax, marks: Mapping[str, int]) -> None:
+def _marks(ax, marks: list[Mark]) -> None:
     colors = {"stop": "tab:red", "first difference": "tab:purple"}
-    for label, step in marks.items():
+    for label, step in marks:
         ax.axvline(step, color=colors.get(label, "tab:red"), linewidth=1.0, linestyle="--",
                    label=f"{label} ({step})")  # fmt: skip
 
@@ -133,15 +143,17 @@ def _label_line(ax, x: float, text: str, color: str) -> None:
                 color=color)  # fmt: skip
 
 
-def _difference_panel(ax, names, straight: Series, resumed: Series, stop_at: int,
-                      first_difference: int | None) -> None:  # fmt: skip
+def _difference_panel(ax, names, straight: Series, resumed: Series, marks: list[Mark]) -> None:
     smallest = math.inf
+    identical = True
     for i, name in enumerate(names):
         a = dict(straight.values.get(name, []))
         b = dict(resumed.values.get(name, []))
         steps = sorted(a.keys() & b.keys())
+        identical = identical and all(bitwise.same_float(a[s], b[s]) for s in steps)
         diffs = [b[s] - a[s] for s in steps]
-        smallest = min([smallest, *(abs(d) for d in diffs if d != 0 and math.isfinite(d))])
+        # The scale's linear range: the smallest nonzero magnitude (sameness is by bits).
+        smallest = min([smallest, *(abs(d) for d in diffs if abs(d) > 0.0 and math.isfinite(d))])
         if steps:
             ax.plot(steps, diffs, _STYLES[i % len(_STYLES)], marker=".", markersize=3,
                     linewidth=1.2, label=name)  # fmt: skip
@@ -150,11 +162,8 @@ def _difference_panel(ax, names, straight: Series, resumed: Series, stop_at: int
     linthresh = smallest if math.isfinite(smallest) else 1.0
     ax.set_yscale("symlog", linthresh=linthresh)
     ax.axhline(0.0, color="black", linewidth=0.6)
-    marks = {"stop": stop_at}
-    if first_difference is not None:
-        marks["first difference"] = first_difference
     _marks(ax, marks)
-    if not math.isfinite(smallest):
+    if identical:
         ax.set_ylim(-1.0, 1.0)
         ax.text(0.5, 0.75, "no difference: every value identical", transform=ax.transAxes,
                 ha="center", fontsize=9, color="tab:green")  # fmt: skip

@@ -7,7 +7,8 @@ verified) and compared bit for bit, with the largest absolute difference reporte
 Per-rank components (rng, dataloader) are compared rank by rank when the world sizes
 match and are skipped (and listed) when they do not; the RNG state is also summarized
 one generator at a time (python random, numpy, torch CPU/CUDA: same or differs).
-Non-tensor state (hyperparameters, scheduler counters) is compared too. Keys are sorted
+Non-tensor state (hyperparameters, scheduler counters) is compared too, by the same
+rule as the resume test's (format/state_compare.py: floats by their bits). Keys are sorted
 naturally: ``layers.2`` before ``layers.10``.
 """
 
@@ -23,8 +24,8 @@ from typing import Any, Literal
 import torch
 
 from ..format import bitwise, manifest
+from ..format.state_compare import skeleton_differences
 from ..format.tensor_reader import TensorReader
-from ..format.tree import TAG
 from ..proof.generators import differing, label
 from ..storage.interface import Location
 from ..storage.locate import location
@@ -174,7 +175,7 @@ def diff(
             )
         else:
             summaries[name] = ComponentSummary(name, "identical")
-            summaries[name].state_differences = _state_differences(
+            summaries[name].state_differences = skeleton_differences(
                 component_skeletons(doc_a, name), component_skeletons(doc_b, name), name
             )
     # Equal fingerprints mean equal values only within one fingerprint format.
@@ -265,40 +266,3 @@ def _as_number(t: torch.Tensor) -> torch.Tensor:
     if t.is_complex():
         return t.to(torch.complex128)
     return t.to(torch.float64)
-
-
-def _state_differences(a: list[Any], b: list[Any], name: str) -> list[str]:
-    """Paths where the non-tensor state differs (tensor references count as equal)."""
-    out: list[str] = []
-    if len(a) != len(b):
-        return [f"{name}: saved by {len(a)} vs {len(b)} rank(s)"]
-    for i, (sa, sb) in enumerate(zip(a, b, strict=True)):
-        _walk(sa, sb, name if len(a) == 1 else f"{name}/rank {i}", out)
-    return out
-
-
-def _walk(a: Any, b: Any, path: str, out: list[str]) -> None:
-    if _is_ref(a) and _is_ref(b):
-        return
-    if isinstance(a, dict) and isinstance(b, dict) and not _is_ref(a) and not _is_ref(b):
-        for k in list(dict.fromkeys([*a, *b])):
-            if k not in a or k not in b:
-                out.append(f"{path}/{k}: only in {'A' if k in a else 'B'}")
-            else:
-                _walk(a[k], b[k], f"{path}/{k}" if k != TAG else path, out)
-        return
-    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _walk(x, y, f"{path}/{i}", out)
-        return
-    if a != b:
-        out.append(f"{path}: {_short(a)} vs {_short(b)}")
-
-
-def _is_ref(x: Any) -> bool:
-    return isinstance(x, dict) and x.get(TAG) == "tensor"
-
-
-def _short(x: Any) -> str:
-    text = repr(x)
-    return text if len(text) <= 60 else text[:57] + "..."
