@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 from .core import background, branching, collective, resuming, retention, saving
+from .core.idle_optimizers import IdleOptimizers
+from .core.ownership import FolderClaim
 from .errors import CheckpointError
 from .live import probe
 from .live.components import as_step, build_components
@@ -21,7 +23,7 @@ from .live.stopping import StopPolicy
 from .proof.replay_check import ReplayVerdict
 from .proof.run_record import RunRecord
 from .report import RestoreReport
-from .storage.locate import checkpoint_dir
+from .storage.locate import checkpoint_dir, pinned
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +35,16 @@ class Checkpointer:
     collective: under ``torch.distributed`` all ranks must make it, in the same order.
     Not thread-safe: use one Checkpointer from the training loop's thread.
 
+    One run per folder: a save finding steps that another run committed since this
+    Checkpointer started or restored (two jobs in one folder; an actor's and a critic's
+    Checkpointers) is refused naming both runs, and this Checkpointer's tracked steps
+    reach the folder's record only while it holds the folder (core/ownership.py).
+
     Args:
-        path: folder of this run's checkpoints (a local path or ``file://`` URL).
+        path: folder of this run's checkpoints (a local path or ``file://`` URL, or an
+            object store's URL). A relative path is made absolute once, here, against
+            the current directory (symbolic links are not resolved): ``os.chdir`` later
+            changes nothing, and :attr:`path` returns it.
         model: the module (plain, DDP, FSDP2, compiled, activation-checkpointed) or a
             dict name -> module.
         optimizer: an optimizer, a dict name -> optimizer, or None.
@@ -63,7 +73,9 @@ class Checkpointer:
         overwrite: the committed checkpoints already in ``path`` belong to a run this one
             replaces: ``restore()`` ignores them and the first save retires them (kept
             aside as ``.retired-step_*``, nothing deleted). Without it, saving into a
-            folder holding another run's checkpoints without restoring raises.
+            folder holding another run's checkpoints without restoring raises. It never
+            replaces a run that is still saving there: a step committed after this
+            Checkpointer was made still refuses its saves.
         loss_metric: the name under which :meth:`track` receives the training loss; the
             post-resume health check watches it (docs/health-check.md). Default ``"loss"``.
         grad_norm_metric: the tracked gradient norm's name, or None if none is tracked
@@ -100,16 +112,25 @@ class Checkpointer:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
         if probe is not None and not callable(probe):
             raise TypeError(f"probe must be callable(model), got {type(probe).__name__}")
-        self._dir = checkpoint_dir(path)
+        self._dir = checkpoint_dir(pinned(path))  # resolved once: os.chdir changes nothing
+        self._overwrite = bool(overwrite)
+        # The steps this run may keep beside its own; rank 0 asks it (core/ownership.py).
+        self._claim = FolderClaim(self._dir, overwrite=self._overwrite)
+        if self._overwrite and collective.rank() == 0:
+            self._claim.replaces()
         # The tracked metrics (rank 0 records them), the replay and health checks.
         self._record = RunRecord(
-            self._dir.root, loss_metric=loss_metric, grad_norm_metric=grad_norm_metric
-        )
+            self._dir.root, loss_metric=loss_metric, grad_norm_metric=grad_norm_metric,
+            gate=self._claim, replaces=self._overwrite,
+        )  # fmt: skip
         self._model = model
         self._probe = probe
         self._keep_last = keep_last
         self._components = build_components(model, optimizer, scheduler, dataloader, extra)
         self._noted_per_rank: set[str] = set()  # shared components found to differ by rank
+        # Optimizers with no state while their parameters change (rank 0 compares).
+        self._idle = IdleOptimizers(self._components)
+        self._save_warnings: list[str] = []  # the last committed save's
         self._lineage: list[dict[str, Any]] = [
             {
                 "event": "start",
@@ -120,8 +141,6 @@ class Checkpointer:
             }
         ]
         self._fork: int | None = None  # the step resumed from, until the first save commits
-        self._overwrite = bool(overwrite)
-        self._owns_folder = False  # restored from it, or saved into it: no other run's
         if self._overwrite:
             self._fork = -1  # the first save retires every step committed before it
         self._stop = StopPolicy(agree=collective.any_rank)
@@ -131,6 +150,7 @@ class Checkpointer:
 
     @property
     def path(self) -> str:
+        """The run folder, as resolved when this Checkpointer was made (absolute)."""
         return str(self._dir.root)
 
     def steps(self) -> list[int]:
@@ -146,14 +166,17 @@ class Checkpointer:
         """Save the whole training state as checkpoint ``step`` and commit it.
 
         Returns the committed folder. Collective. Raises ``CheckpointError`` (and leaves
-        every committed checkpoint untouched) if anything fails.
+        every committed checkpoint untouched) if anything fails, among others when the
+        folder holds a step that another run committed since this Checkpointer started
+        or restored (or before, if it neither restored nor was made with ``overwrite``):
+        the message names both runs, the step and what to do. A save whose model changed
+        since the last one while an optimizer covering it holds no state and did not step
+        is committed with a warning (:attr:`warnings`, the manifest's ``save_warnings``).
         """
         self._check_open()
         step = as_step(step)
         record = probe.record(self._probe, self._model) if self._probe is not None else None
         self.wait()
-        if not self._owns_folder and not self._overwrite:
-            resuming.check_no_other_run(self._dir)
         retire = self._note_branch_and_replay()
         request = saving.SaveRequest(
             step=step,
@@ -163,6 +186,9 @@ class Checkpointer:
             probe=record,
             noted_per_rank=self._noted_per_rank,
             retire=retire,
+            claim=self._claim,
+            idle=self._idle,
+            optimizer_steps=self._idle.counts(),
         )
         if self._saver is None:
             self._finish_save(saving.stage(request))
@@ -174,7 +200,10 @@ class Checkpointer:
     def _finish_save(self, staged: saving.Staged) -> None:
         saving.write(self._dir, staged)
         self._fork = None  # the branch is committed; its abandoned steps are retired
-        self._owns_folder = True
+        self._save_warnings = staged.warnings
+        if collective.rank() == 0:
+            for warning in staged.warnings:
+                logger.warning("step %d: %s", staged.request.step, warning)
         retention.apply_retention(self._dir, staged.request.step, self._keep_last)
         self._record.after_commit()  # committed: a failure is a warning
 
@@ -233,9 +262,11 @@ class Checkpointer:
             require=resuming.require_from_env(require), ignore=self._overwrite,
             probe_fn=self._probe, model=self._model,
         )  # fmt: skip
-        self._owns_folder = True
+        if collective.rank() == 0:  # the steps now (a leftover put back included) are ours
+            self._claim.restored(done.step if done.doc is not None else None)
         if done.doc is None:  # a fresh start
             return done.report
+        self._idle.restored(done.doc)  # the next save compares with its fingerprints
         doc, chosen, report = done.doc, done.step, done.report
         # The metrics segment that saved the checkpoint: the replay check's reference.
         saved_by = doc["lineage"][-1].get("segment") if doc["lineage"] else None
@@ -290,8 +321,11 @@ class Checkpointer:
 
     @property
     def warnings(self) -> list[str]:
-        """Warnings about the last resume: the health check's, and a replay difference."""
-        return self._record.warnings
+        """Warnings about the last resume (the health check's, a replay difference) and
+        about the last committed save (e.g. an optimizer holding no state while the
+        parameters it covers changed: core/idle_optimizers.py; with ``async_save``,
+        known once that save committed)."""
+        return [*self._record.warnings, *self._save_warnings]
 
     def should_stop(self, step: int) -> bool:
         """True on every rank once SIGTERM/SIGUSR1 arrived, or at ``UNBROKEN_STOP_AT``."""
@@ -307,6 +341,8 @@ class Checkpointer:
             self._record.finish()  # the replay verdict decided and shared; fsynced
         finally:
             self._record.close()
+            self._claim.release()
+            self._idle.close()
             self._dir.finish_removals()
             self._stop.close()
             if self._saver is not None:

@@ -13,20 +13,20 @@ import logging
 import os
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from ..format.folder_check import check_folder
 from ..live import probe
 from ..live.state import Component
 from ..report import RestoreReport
 from ..storage.interface import CheckpointDir, Location
-from ..storage.names import MANIFEST, folder_step
+from ..storage.names import LOCK, MANIFEST, RUN_LOCK, folder_step
 from . import collective, restoring
 from .candidates import Candidates
 
 logger = logging.getLogger(__name__)
 
 REQUIRE_ENV = "UNBROKEN_REQUIRE_CHECKPOINT"
-_OURS = {".lock", "metrics.jsonl", "metrics"}  # metrics/: the record on a store
+_OURS = {LOCK, RUN_LOCK, "metrics.jsonl", "metrics"}  # metrics/: the record on a store
 _SHOWN = 5
 
 
@@ -112,6 +112,10 @@ def resume(
             logger.warning("checkpoint of step %d is damaged, trying an older one", chosen)
             continue
         report.warnings[:0] = skipped
+        report.warnings.extend(  # what its save found (core/idle_optimizers.py)
+            f"the checkpoint of step {chosen} was saved with a warning: {w}"
+            for w in doc.get("save_warnings") or []
+        )
         return Resumed(dataclasses.replace(report, searched=str(ckdir.root)), doc, chosen)
     raise AssertionError("unreachable")
 
@@ -119,22 +123,6 @@ def resume(
 def read_manifest(folder: Location) -> dict[str, Any]:
     """Rank 0 checks the folder (``format.folder_check``); every rank gets the manifest."""
     return collective.on_rank0(lambda: check_folder(folder))
-
-
-def check_no_other_run(ckdir: CheckpointDir) -> None:
-    """Before the first save of a run that did not restore: the folder must hold no other
-    run's committed checkpoints (collective)."""
-    found = collective.on_rank0(ckdir.steps)
-    if found:
-        shown = ", ".join(map(str, found[:_SHOWN])) + (", ..." if len(found) > _SHOWN else "")
-        raise CheckpointError(
-            f"{ckdir.root} already holds committed checkpoints of another run (steps "
-            f"{shown}) and this Checkpointer did not restore from them: saving here would mix "
-            "two runs (retention would delete steps of both, and restore() could pick "
-            "either). Call ckpt.restore() first to continue that run, use a new folder, or "
-            "pass Checkpointer(..., overwrite=True) to replace that run (its checkpoints are "
-            "kept aside as .retired-step_*, not deleted)"
-        )
 
 
 def candidate_steps(ckdir: CheckpointDir, step: int | None) -> list[int]:
@@ -205,7 +193,7 @@ def _look(ckdir: CheckpointDir) -> tuple[str, bool]:
         return f"{root} is a file, not a folder", False
     foreign = _foreign_entries(entries)
     if not foreign:
-        ours = [e for e in entries if e != ".lock"]  # the lock file is made by looking
+        ours = [e for e in entries if e not in (LOCK, RUN_LOCK)]  # made by looking, tracking
         if not ours:
             return f"{root} is empty", False
         return f"{root} holds no committed checkpoint (only {', '.join(ours)})", False

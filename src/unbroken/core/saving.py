@@ -32,6 +32,8 @@ from ..live.state import Component, ModelComponent, StatefulComponent, device_ki
 from ..storage.interface import CheckpointDir, Location
 from ..storage.posix import free_space
 from . import collective, verify
+from .idle_optimizers import IdleOptimizers
+from .ownership import FolderClaim
 from .staging import StagingBuffers
 
 logger = logging.getLogger(__name__)
@@ -48,6 +50,12 @@ class SaveRequest:
     noted_per_rank: set[str] = dataclasses.field(default_factory=set)
     # Committed steps of an abandoned branch, retired just before this save's commit.
     retire: list[int] = dataclasses.field(default_factory=list)
+    # What the Checkpointer knows of its folder: no other run's steps (core/ownership.py).
+    claim: FolderClaim | None = None
+    # Optimizers holding no state while their parameters change (core/idle_optimizers.py),
+    # and each one's step count when save() was called.
+    idle: IdleOptimizers | None = None
+    optimizer_steps: dict[Any, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -62,6 +70,9 @@ class Staged:
     # Live tensors not yet copied (async_save="overlap"): ``flat`` holds them until a copy
     # in the background replaces them (core/background.py).
     deferred: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # What the save found worth a warning (the manifest's save_warnings), on every rank
+    # once committed.
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
 
 def stage(
@@ -161,7 +172,8 @@ def _digest(state: Any, name: str) -> str:
 def write(ckdir: CheckpointDir, staged: Staged) -> Location:
     """Write and commit a staged checkpoint; collective. Returns the committed folder.
 
-    Rank 0 holds the folder's save lock throughout, cleans leftovers of crashed saves,
+    Rank 0 holds the folder's save lock throughout, refuses the save if another run
+    committed into the folder (``request.claim``), cleans leftovers of crashed saves,
     and removes its partial folder if anything fails: committed checkpoints are never
     touched by a failed save.
     """
@@ -172,6 +184,8 @@ def write(ckdir: CheckpointDir, staged: Staged) -> Location:
 
         def prepare() -> str:
             stack.enter_context(ckdir.save_lock())
+            if staged.request.claim is not None:
+                staged.request.claim.check(step, staged.request.lineage)  # before any write
             ckdir.clean_leftovers()
             return ckdir.token(ckdir.new_partial(step))
 
@@ -224,12 +238,22 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
         }
     gathered = collective.gather_to_rank0(local)  # only rank 0 writes the manifest
 
-    def commit() -> Location:
+    def commit() -> tuple[str, list[str]]:
         assert gathered is not None
-        data = manifest.encode(partial, _manifest_body(request, staged, writer, gathered))
-        return ckdir.commit(partial, request.step, retire=request.retire, manifest=data)
+        body = _manifest_body(request, staged, writer, gathered)
+        data = manifest.encode(partial, body)
+        final = ckdir.commit(partial, request.step, retire=request.retire, manifest=data)
+        if request.claim is not None:
+            request.claim.committed(request.step)
+        if request.idle is not None:
+            request.idle.committed(request.step, staged.skeletons, body["tensors"],
+                                   request.optimizer_steps, body["fingerprint_algorithm"])  # fmt: skip
+        return str(final), body.get("save_warnings", [])
 
-    return ckdir.from_token(collective.on_rank0(lambda: str(commit())))
+    committed = collective.on_rank0(commit)
+    assert committed is not None
+    staged.warnings = list(committed[1])
+    return ckdir.from_token(committed[0])
 
 
 def _manifest_body(
@@ -273,6 +297,10 @@ def _manifest_body(
         components[c.name] = entry
     files = dict(record for g in gathered for record in g["files"])
     probes = [g["probe"] for g in gathered]
+    warnings = []
+    if request.idle is not None:
+        warnings = request.idle.findings(staged.skeletons, tensors, request.optimizer_steps,
+                                         gathered[0]["fingerprint_algorithm"])  # fmt: skip
     return {
         "step": request.step,
         "created_unix": time.time(),
@@ -291,6 +319,7 @@ def _manifest_body(
         "lineage": request.lineage,
         "metrics": request.metrics,
         "probe": {"ranks": probes} if probes[0] is not None else None,
+        **({"save_warnings": warnings} if warnings else {}),
     }
 
 

@@ -31,6 +31,7 @@ MAX_INT = 2**62  # steps, sizes, offsets, shape dimensions
 MAX_TIME = 1e11  # seconds since 1970 (the year 5138)
 MAX_PROBE_VALUES = 65536
 MAX_FILES_PER_RANK = 16  # a rank's shard is one file, or a few written side by side
+MAX_SAVE_WARNINGS = 256  # warnings a save records (optional; one per optimizer at most)
 SAFE_FILE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 _DEVICE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _NON_FINITE = ("nan", "inf", "-inf")
@@ -112,6 +113,10 @@ def _validate(doc: dict[str, Any]) -> None:
             _metrics(record, f"metrics/{i}")
     if doc.get("probe") is not None:
         _probe(doc["probe"], world)
+    if doc.get("save_warnings") is not None:  # optional: older manifests have none
+        notes = _list(doc["save_warnings"], "save_warnings", lambda x, w: _str(x, w, MAX_NAME))
+        if len(notes) > MAX_SAVE_WARNINGS:
+            _fail("save_warnings", f"{len(notes)} entries, more than {MAX_SAVE_WARNINGS}")
 
 
 def unreferenced(doc: dict[str, Any]) -> list[str]:

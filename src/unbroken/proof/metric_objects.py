@@ -14,6 +14,10 @@ at its commit), at ``close()``, at interpreter exit, and from a background threa
 process killed outright loses at most that much of its record. An upload that fails is
 retried with everything tracked since, so nothing is lost or reordered while the store
 is down.
+
+An upload first asks ``permit`` (the Checkpointer's gate, ``core/ownership.py``): until
+the prefix is shown to be this run's (no other run committed there since it started or
+restored: one listing per upload; or a save of its own committed) the lines wait.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from ..env import env_number
@@ -47,11 +52,18 @@ class ObjectLog:
     """Rank 0's record of one Checkpointer on a store: lines in memory until uploaded.
 
     ``write`` never does I/O (the training loop calls it); ``upload`` sends what is
-    pending as the next object and raises :class:`CheckpointError` naming it if the
-    store refuses after its retries (the lines stay pending).
+    pending as the next object, if ``permit()`` (when given) is True, and raises
+    :class:`CheckpointError` naming it if the store refuses after its retries (the
+    lines stay pending).
     """
 
-    def __init__(self, root: StorePath, segment: str) -> None:
+    def __init__(
+        self,
+        root: StorePath,
+        segment: str,
+        *,
+        permit: Callable[[], bool | None] | None = None,
+    ) -> None:
         self.folder = root / FOLDER
         self._segment = segment
         self._pending: list[str] = []
@@ -66,6 +78,7 @@ class ObjectLog:
         self._upload_lock = threading.Lock()  # one upload at a time, in order
         self._background: threading.Thread | None = None
         self._warned = False
+        self._permit = permit
         _register_exit(self)
 
     def write(self, text: str, segment: str) -> None:
@@ -85,6 +98,10 @@ class ObjectLog:
         """Send everything pending: the current object is rewritten with it appended
         (a new object is started once one holds ``CHUNK_BYTES``)."""
         with self._upload_lock:
+            with self._lock:
+                permit = self._permit
+            if permit is not None and permit() is not True:
+                return  # not shown to be this run's prefix yet: the lines wait
             with self._lock:
                 new = "".join(self._pending)
                 self._pending = []
@@ -110,6 +127,23 @@ class ObjectLog:
         with self._lock:
             return bool(self._pending) or self._unsent
 
+    def retract(self, line: str) -> int:
+        """The prefix is lost to another run: drop what is pending and, if anything was
+        uploaded, upload ``line`` (withdrawing it) without asking ``permit``; returns
+        the tracked steps dropped."""
+        with self._lock:
+            dropped = _steps_in(self._pending)
+            self._pending = [line] if self._seq else []
+            self._permit = None
+        return dropped
+
+    def drop_pending(self) -> int:
+        """Drop the lines ``permit`` never let through; returns the tracked steps dropped."""
+        with self._lock:
+            dropped = _steps_in(self._pending)
+            self._pending = []
+        return dropped
+
     def _next_name(self, segment: str) -> str:
         now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing in this process
         self._last_ns = now
@@ -124,6 +158,10 @@ class ObjectLog:
                 self._warned = True
                 logger.warning("%s (the tracked steps stay queued and are uploaded with the "
                                "next save)", exc)  # fmt: skip
+
+
+def _steps_in(texts: list[str]) -> int:
+    return sum(t.count('"metrics": {') for t in texts)
 
 
 def _register_exit(log: ObjectLog) -> None:

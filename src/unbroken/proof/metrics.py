@@ -8,12 +8,21 @@ line per tracked step; health-check warnings and the replay check's verdict have
 of their own. Reading replays the lines in order: a segment that resumed from step R
 drops every later step of the timelines before it, and a replayed step replaces the old
 value, so the series has no duplicates and follows the timeline that survived.
+
+One run's record never mixes into another's (``core/ownership.py`` decides, through a
+:class:`RecordGate`): a Checkpointer's lines wait in memory until it has shown that the
+folder is its own (it holds the run lock and no other run committed since it started
+or restored, or one of its saves committed); a save refused because another run
+committed there ends its record: the lines still waiting are dropped, and a
+``retracted`` line withdraws those it wrote after its last committed step. Readers also
+skip step lines that a segment wrote after a later segment's header (a run that was
+still tracking when another took the folder), and a header that ``replaces`` (a run
+started with ``overwrite=True``) begins the series anew.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -21,17 +30,20 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ..errors import CheckpointError
 from ..storage.interface import Location
-from ..storage.locate import location
 from ..storage.posix import free_space, writing
-from .metric_objects import ObjectLog, object_lines
+from .metric_objects import ObjectLog
+from .series import FILE, from_json, record_name
+from .series import Series as Series  # re-exported: readers import them from here
+from .series import read_series as read_series
+from .series import record_lines as record_lines
+from .series import series_from_lines as series_from_lines
 
-FILE = "metrics.jsonl"
 logger = logging.getLogger(__name__)
 
 
@@ -51,10 +63,6 @@ def _json_value(x: float) -> float | str:
     return x if math.isfinite(x) else repr(x)
 
 
-def _from_json(x: float | str) -> float:
-    return float(x)
-
-
 _KEYS: dict[str, str] = {}  # metric name -> its JSON string
 
 
@@ -70,6 +78,28 @@ def _step_line(segment: str, step: int, values: dict[str, float]) -> str:
     return f'{{"segment": "{segment}", "step": {step}, "metrics": {{{", ".join(parts)}}}}}'
 
 
+class RecordGate(Protocol):
+    """Whether a Checkpointer may write to its folder's record (``core/ownership.py``)."""
+
+    def may_record(self, *, can_list: bool) -> bool | None:
+        """True: write now; None: keep the lines in memory; False: the folder is lost."""
+        ...
+
+    @property
+    def lost(self) -> str | None:
+        """Why the folder was lost (a save was refused), or None."""
+        ...
+
+    @property
+    def committed_step(self) -> int | None:
+        """The last step this Checkpointer committed (None: none)."""
+        ...
+
+    def holder(self) -> str:
+        """Who holds the folder's run lock, for messages."""
+        ...
+
+
 class MetricLog:
     """The tracked metrics of one Checkpointer (one segment of a run).
 
@@ -79,10 +109,19 @@ class MetricLog:
     not written yet); :meth:`flush`, at each save and at close, fsyncs. Without a root
     (the other ranks) the values stay in memory. A root on an object store keeps the
     lines in memory until :meth:`flush` uploads them (see :mod:`.metric_objects`).
+    With a ``gate``, lines reach the record only when it allows (module docstring);
+    ``replaces``: the segment replaces the run recorded before (``overwrite=True``).
     Thread-safe: a background save may flush while the training loop tracks.
     """
 
-    def __init__(self, root: Location | None = None, *, world_size: int = 1) -> None:
+    def __init__(
+        self,
+        root: Location | None = None,
+        *,
+        world_size: int = 1,
+        gate: RecordGate | None = None,
+        replaces: bool = False,
+    ) -> None:
         self.values: dict[int, dict[str, float]] = {}
         self.segment = uuid.uuid4().hex[:12]
         self.resumed_from: int | None = None
@@ -93,7 +132,14 @@ class MetricLog:
         self._unwritten: list[dict[str, Any] | str] = []  # lines a failed write left behind
         self._torn = False  # a failed write may have left half a line in the file
         self._header_queued = False
-        self._objects = ObjectLog(root, self.segment) if root is not None and root.remote else None
+        self._gate = gate
+        self._replaces = replaces
+        self._revoked = False  # the folder was lost: nothing more is recorded
+        self._emitted = False  # lines of this segment reached the record
+        self._objects = None
+        if root is not None and root.remote:
+            permit = None if gate is None else (lambda: gate.may_record(can_list=True))
+            self._objects = ObjectLog(root, self.segment, permit=permit)
         # track() runs in the training loop while a background save may flush.
         self._lock = threading.Lock()
 
@@ -120,12 +166,13 @@ class MetricLog:
     ) -> None:
         """Start the segment of a resume: the saved window, and where it resumed from."""
         self.values = {
-            r["step"]: {k: _from_json(v) for k, v in r.items() if k != "step"} for r in records
+            r["step"]: {k: from_json(v) for k, v in r.items() if k != "step"} for r in records
         }
         with self._lock:
             if self._header_queued:  # steps were tracked before the restore: a new segment
                 self.segment = uuid.uuid4().hex[:12]
                 self._header_queued = False
+                self._revoked = self._emitted = False
         self.resumed_from = resumed_from
         self.parent = parent
 
@@ -157,6 +204,9 @@ class MetricLog:
         """
         if self._root is None:
             return
+        if self._gate is not None and self._gate.lost is not None:
+            with self._lock:
+                self._revoke()
         if self._objects is not None:
             try:
                 self._objects.upload()
@@ -176,6 +226,8 @@ class MetricLog:
                     try:
                         if self._unwritten or self._file is None:
                             self._write(None)
+                        if self._file is None:
+                            return  # held in memory, or revoked: nothing of ours to sync
                         fd = os.dup(self._file.fileno())
                     except OSError:
                         self._drop_file()
@@ -189,6 +241,26 @@ class MetricLog:
                 raise
             logger.warning("%s (the checkpoint itself is committed)", exc)
 
+    def drop_held(self) -> None:
+        """At the end (``close()``): lines still waiting for the gate are dropped, with
+        a warning naming how many and why (this Checkpointer never showed that the
+        folder is its own: another one holds it, or another run committed there)."""
+        if self._root is None or self._gate is None:
+            return
+        with self._lock:
+            held = _step_count(self._unwritten)
+            self._unwritten = []
+        if self._objects is not None:
+            held += self._objects.drop_pending()
+        if held:
+            logger.warning(
+                "%d tracked step(s) of this Checkpointer were not recorded in %s: it "
+                "committed no checkpoint there, and the folder is not shown to be its own "
+                "(its run lock is held by %s, or another run committed there since it "
+                "started); two Checkpointers on one folder record one run only",
+                held, record_name(self._root), self._gate.holder(),
+            )  # fmt: skip
+
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
@@ -196,23 +268,33 @@ class MetricLog:
                 self._file = None
 
     def _write(self, line: dict[str, Any] | str | None) -> None:
+        if self._revoked:
+            return
         if not self._header_queued:
             self._header_queued = True
-            self._unwritten.append(
-                {
-                    "segment": self.segment,
-                    "resumed_from": self.resumed_from,
-                    "parent": self.parent,
-                    "world_size": self.world_size,
-                    "time": time.time(),
-                }
-            )
+            header = {
+                "segment": self.segment,
+                "resumed_from": self.resumed_from,
+                "parent": self.parent,
+                "world_size": self.world_size,
+                "time": time.time(),
+            }
+            if self._replaces:
+                header["replaces"] = True
+            self._unwritten.append(header)
         if line is not None:
             self._unwritten.append(line)
-        if self._objects is not None:
+        allowed = True if self._gate is None else self._gate.may_record(can_list=False)
+        if allowed is False:
+            self._revoke()
+            return
+        if self._objects is not None:  # uploads ask the gate again (listing the folder)
             self._objects.write(self._joined(), self.segment)
             self._unwritten = []
+            self._emitted = True
             return
+        if allowed is None:
+            return  # held until the folder is shown to be this run's
         if self._file is None:
             assert self._root is not None
             self._root.mkdir(parents=True, exist_ok=True)
@@ -223,6 +305,36 @@ class MetricLog:
         self._file.flush()
         self._unwritten = []
         self._torn = False
+        self._emitted = True
+
+    def _revoke(self) -> None:
+        """The folder is lost (holding ``_lock``): drop what waits, withdraw what this
+        segment wrote after its last committed step, record nothing more."""
+        if self._revoked or self._gate is None:
+            return
+        self._revoked = True
+        held = _step_count(self._unwritten)
+        self._unwritten = []
+        retraction = json.dumps({"segment": self.segment, "retracted": True,
+                                 "kept_upto": self._gate.committed_step,
+                                 "reason": self._gate.lost})  # fmt: skip
+        if self._objects is not None:
+            held += self._objects.retract(retraction + "\n")
+        elif self._emitted:
+            try:
+                if self._file is None:
+                    self._file = open(self._root / FILE, "a", encoding="utf-8")  # noqa: SIM115
+                self._file.write(("\n" if self._torn else "") + retraction + "\n")
+                self._file.flush()
+            except OSError as exc:
+                logger.warning("cannot withdraw this run's steps from %s: %s",
+                               record_name(self._root), exc)  # fmt: skip
+        logger.warning(
+            "this Checkpointer lost its folder (%s): its tracked steps are no longer "
+            "recorded in %s%s",
+            self._gate.lost, record_name(self._root),
+            f"; {held} step(s) waiting in memory were dropped" if held else "",
+        )  # fmt: skip
 
     def _joined(self) -> str:
         return "".join(
@@ -238,66 +350,6 @@ class MetricLog:
             self._file = None
 
 
-@dataclasses.dataclass
-class Series:
-    """A run's tracked metrics: ``values[name]`` is a list of (step, value), ascending."""
-
-    values: dict[str, list[tuple[int, float]]]
-    resumes: list[int]  # steps at which a resumed segment took over
-    warnings: list[tuple[int, str]]  # health-check warnings: (step, text)
-
-    def steps(self, name: str) -> list[int]:
-        return [s for s, _ in self.values.get(name, [])]
-
-
-def record_lines(root: str | os.PathLike | Location) -> list[str] | None:
-    """The lines of a run's metrics record, in the order tracked: ``metrics.jsonl`` in a
-    local folder, the ``metrics/`` objects on a store; None if nothing was recorded."""
-    where = location(root)
-    if where.remote:
-        return object_lines(where)
-    path = where / FILE
-    if not path.is_file():
-        return None
-    return path.read_text(encoding="utf-8", errors="replace").splitlines()
-
-
-def record_name(root: str | os.PathLike | Location) -> str:
-    """Where a run's metrics record is, for messages."""
-    where = location(root)
-    return f"{where}/metrics/" if where.remote else str(where / FILE)
-
-
-def read_series(root: str | os.PathLike | Location) -> Series:
-    """The surviving timeline of every tracked metric of a run (a local checkpoint
-    folder, or a store's URL)."""
-    return series_from_lines(record_lines(root) or [])
-
-
-def series_from_lines(lines: list[str]) -> Series:
-    """The surviving timeline of a metrics record's lines (:func:`record_lines`)."""
-    by_step: dict[int, dict[str, float]] = {}
-    resumes: list[int] = []
-    warnings: list[tuple[int, str]] = []
-    for raw in lines:
-        try:
-            line = json.loads(raw)
-        except ValueError:
-            continue  # a torn last line from a crash mid-append
-        if not isinstance(line, dict):
-            continue
-        if "warning" in line:
-            warnings.append((line["step"], line["warning"]))
-            continue
-        if "step" not in line:
-            start = line.get("resumed_from")
-            if start is not None:
-                by_step = {s: m for s, m in by_step.items() if s <= start}
-                resumes = [r for r in resumes if r < start] + [start]
-            continue
-        by_step[line["step"]] = {k: _from_json(v) for k, v in line["metrics"].items()}
-    values: dict[str, list[tuple[int, float]]] = {}
-    for s in sorted(by_step):
-        for k, v in by_step[s].items():
-            values.setdefault(k, []).append((s, v))
-    return Series(values=values, resumes=resumes, warnings=warnings)
+def _step_count(lines: list[dict[str, Any] | str]) -> int:
+    """How many of the queued ``lines`` are tracked steps (those are strings)."""
+    return sum(isinstance(x, str) for x in lines)

@@ -3,8 +3,10 @@
 A :class:`RunRecord` owns, for the Checkpointer that holds it:
 
 - the metrics record (:class:`.metrics.MetricLog`): rank 0 appends each tracked step to
-  ``metrics.jsonl`` (on an object store: objects under ``metrics/``), and the last
-  :data:`METRICS_WINDOW` steps go into each checkpoint's manifest;
+  ``metrics.jsonl`` (on an object store: objects under ``metrics/``) once the folder is
+  shown to be this run's (the ``gate``: ``core/ownership.py``; until then the lines wait
+  in memory), and the last :data:`METRICS_WINDOW` steps go into each checkpoint's
+  manifest;
 - after a resume, the replay check (:mod:`.replay_check`): the steps the earlier run had
   recorded after the restored checkpoint, compared bit for bit as they are tracked
   again; decided on rank 0 (which holds the record), its verdict shared with every rank
@@ -15,7 +17,7 @@ A :class:`RunRecord` owns, for the Checkpointer that holds it:
 The Checkpointer calls it at its moments, and only through these (those marked * are
 collective)::
 
-    RunRecord(root, loss_metric=, grad_norm_metric=)  construction: the names checked
+    RunRecord(root, loss_metric=, grad_norm_metric=, gate=, replaces=)  construction
     resumed(window, from_step=, saved_by=, ...)     * a restore loaded a checkpoint
     track(step, metrics)                              each Checkpointer.track
     window(step)                                      a save's manifest: its metrics window
@@ -23,7 +25,9 @@ collective)::
     after_commit()                                  * a save committed: fsync (upload), a
                                                       failure only a warning
     finish()                                        * Checkpointer.close: the replay verdict
-                                                      decided and shared, fsync (upload)
+                                                      decided and shared, fsync (upload);
+                                                      lines the gate never let through
+                                                      dropped, with a warning
     close()                                           the file and the optimizer hooks released
 """
 
@@ -38,7 +42,7 @@ import torch
 from ..core import collective
 from ..storage.interface import Location
 from .health_check import HealthCheck, check_metric_names
-from .metrics import MetricLog
+from .metrics import MetricLog, RecordGate
 from .replay_check import ReplayCheck, ReplayVerdict
 
 METRICS_WINDOW = 200  # tracked steps kept in each checkpoint's manifest
@@ -52,6 +56,9 @@ class RunRecord:
             the other ranks keep their tracked values in memory.
         loss_metric: the tracked loss's name, which the health check watches.
         grad_norm_metric: the tracked gradient norm's name, or None.
+        gate: whether rank 0 may write to the folder's record now (None: always).
+        replaces: this run replaces the one recorded before (``overwrite=True``): the
+            record's series begins anew with it.
     Raises:
         TypeError, ValueError: a metric name that is not a non-empty str, or the two equal.
 
@@ -74,12 +81,17 @@ class RunRecord:
         *,
         loss_metric: str = "loss",
         grad_norm_metric: str | None = "grad_norm",
+        gate: RecordGate | None = None,
+        replaces: bool = False,
     ) -> None:
         check_metric_names(loss_metric, grad_norm_metric)
         self._names = (loss_metric, grad_norm_metric)
         self._root = root
         self._log = MetricLog(
-            root if collective.rank() == 0 else None, world_size=collective.world_size()
+            root if collective.rank() == 0 else None,
+            world_size=collective.world_size(),
+            gate=gate,
+            replaces=replaces,
         )
         self._replay: ReplayCheck | None = None
         self._health: HealthCheck | None = None
@@ -177,6 +189,7 @@ class RunRecord:
             self._decided(self._replay.finish())
             self._share_replay()
         self._flush(strict=True)
+        self._log.drop_held()
 
     def close(self) -> None:
         """Stop the health check's optimizer watch and close the record's file. Local;

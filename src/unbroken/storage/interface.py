@@ -129,6 +129,21 @@ class Location(Protocol):
         ...
 
 
+class RunLock(Protocol):
+    """A run's hold on its folder while its Checkpointer records there (local folders;
+    an object store has no locks, and its lock is never held)."""
+
+    def hold(self) -> bool:
+        """Whether this holds the lock, taking it if it is free; never waits."""
+        ...
+
+    def holder(self) -> str:
+        """Who holds it, for messages."""
+        ...
+
+    def release(self) -> None: ...
+
+
 class CheckpointDir(Protocol):
     """The root folder of one training run's checkpoints (see ``storage/names.py``).
 
@@ -150,6 +165,19 @@ class CheckpointDir(Protocol):
 
     def steps_without_manifest(self) -> list[int]:
         """Step folders that lost their manifest (damaged, never listed), ascending."""
+        ...
+
+    def step_marks(self) -> dict[int, str]:
+        """Committed steps, each with a mark that changes when the step is committed
+        again (a re-save, or removed and saved anew), from one listing."""
+        ...
+
+    def step_mark(self, step: int) -> str | None:
+        """The mark :meth:`step_marks` gives ``step`` (None: not committed)."""
+        ...
+
+    def run_lock(self) -> RunLock:
+        """A new, not yet held, hold on this folder (see :class:`RunLock`)."""
         ...
 
     def listdir(self) -> list[str]:

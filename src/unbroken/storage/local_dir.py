@@ -36,6 +36,7 @@ from .names import (
     PARTIAL,
     REPLACED,
     RETIRED,
+    RUN_LOCK,
     TRASH,
     aside_name,
     aside_step,
@@ -102,6 +103,26 @@ class LocalCheckpointDir:
             if lost and entry.has_file(MANIFEST) is False:
                 found.append(step)
         return sorted(found)
+
+    def step_marks(self) -> dict[int, str]:
+        """Committed steps, each with its manifest's identity (inode, size, modification
+        time): every commit writes a new manifest, and renames (retiring a step, putting
+        it back) keep it."""
+        if not self.root.is_dir():
+            return {}
+        found = {}
+        for entry in self.root.iterdir():
+            step = step_of(entry.name)
+            mark = _manifest_mark(entry) if step is not None else None
+            if mark is not None:
+                found[step] = mark
+        return found
+
+    def step_mark(self, step: int) -> str | None:
+        return _manifest_mark(self.step_path(step))
+
+    def run_lock(self) -> posix.RunLock:
+        return posix.RunLock(self.root, self.root / RUN_LOCK)
 
     def check_not_foreign(self) -> None:
         """Refuse a folder that holds another tool's checkpoint and none of ours."""
@@ -349,3 +370,15 @@ class LocalCheckpointDir:
             logger.warning("put back %s: a re-save of it did not complete", final)
         elif final.has_file(MANIFEST):
             shutil.rmtree(aside, ignore_errors=True)
+
+
+def _manifest_mark(folder: LocalPath) -> str | None:
+    """The identity of ``folder``'s manifest (None: it has none); ``"?"`` if it cannot
+    be told (no permission), which is then judged by reading it."""
+    try:
+        st = os.lstat(folder / MANIFEST)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError:
+        return "?"
+    return f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}"

@@ -31,6 +31,21 @@ def location(path: str | os.PathLike | Location) -> Location:
     return StorePath.parse(text) if is_url(text) else LocalPath(text.removeprefix("file://"))
 
 
+def pinned(root: str | os.PathLike | Location) -> str | Location:
+    """``root`` made independent of the working directory, once: a local path (or
+    ``file://`` URL) relative to it is joined to it now, *without* resolving symbolic
+    links or ``..`` (``pathlib``'s ``absolute()``: the same folder the path names now,
+    as if the absolute path had been given; a link in it is followed at each use, as
+    for any absolute path). A store's URL, an absolute path or a ``Location`` is
+    returned as it is (an absolute path as text)."""
+    if isinstance(root, StorePath | LocalPath):
+        return root if root.remote or root.is_absolute() else LocalPath(root.absolute())
+    text = os.fspath(root)
+    if is_url(text):
+        return text
+    return str(LocalPath(text.removeprefix("file://")).absolute())
+
+
 def checkpoint_dir(root: str | os.PathLike | Location) -> CheckpointDir:
     """The run folder ``root``: on a local disk, or on the object store its URL names.
 

@@ -8,6 +8,7 @@
     DIR/.retired-<step>-<id>/   a checkpoint of an abandoned branch: never listed, kept
     DIR/.replaced-<step>-<id>/  the old copy of a re-saved step, until the new one commits
     DIR/.lock                   the save lock (local)
+    DIR/.run-lock               held by the open Checkpointer that records the run (local)
 
 The commit record (``manifest.json``) is written last; storage knows of it only that its
 presence commits a step and that it is a JSON object whose ``files`` names the step's
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
+RUN_LOCK = ".run-lock"
 PARTIAL = ".partial-"
 TRASH = ".trash-"
 RETIRED = ".retired-"

@@ -1,6 +1,6 @@
 """Operating-system primitives under a local run folder: atomic exchange, the save lock
-and its non-blocking test, directory fsync, and write errors that say where and how much
-space is left.
+and its non-blocking test, the run lock (:class:`RunLock`: which open Checkpointer records
+the run), directory fsync, and write errors that say where and how much space is left.
 
 Local file systems only. Linux gives everything: ``renameat2(RENAME_EXCHANGE)`` swaps a
 re-saved step in one step, and open-file-description locks (``F_OFD_SETLK``) can be
@@ -20,6 +20,7 @@ import shutil
 import socket
 import struct
 import sys
+import threading
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -183,6 +184,62 @@ def save_lock(root: Path, lock: Path, fix: str):
         yield
     finally:
         os.close(fd)
+
+
+class RunLock:
+    """A run's hold on its local folder while it records there (``.run-lock``).
+
+    :meth:`hold` takes the lock without waiting and keeps it until :meth:`release` (or
+    the process ends: the system drops it, so a crashed run never blocks its relaunch).
+    Open-file-description locks conflict between two holders in one process too (an
+    actor's and a critic's Checkpointer). A folder that cannot be locked (no
+    permission, a file system without locks) is never held. Thread-safe.
+    """
+
+    def __init__(self, root: Path, path: Path) -> None:
+        self._root, self._path = root, path
+        self._fd: int | None = None
+        self._held = False
+        self._lock = threading.Lock()
+
+    def hold(self) -> bool:
+        """Whether this holds the lock, taking it if it is free (never waits)."""
+        with self._lock:
+            if self._held:
+                return True
+            try:
+                if self._fd is None:
+                    self._root.mkdir(parents=True, exist_ok=True)
+                    self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+                if not try_lock(self._fd):
+                    return False
+            except OSError:
+                return False
+            self._held = True
+            with contextlib.suppress(OSError):  # who holds it: a courtesy for messages
+                os.ftruncate(self._fd, 0)
+                os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            return True
+
+    def holder(self) -> str:
+        """Who holds the lock, as its holder wrote it (``"unknown"`` if it cannot be read)."""
+        try:
+            with open(self._path, "rb") as f:
+                return f.read(256).decode(errors="replace").strip() or "unknown"
+        except OSError:
+            return "unknown"
+
+    def release(self) -> None:
+        """Let go of the lock (closing the file). Safe to call more than once."""
+        with self._lock:
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)
+            self._fd, self._held = None, False
+
+    def __del__(self) -> None:  # a Checkpointer dropped without close() lets go too
+        with contextlib.suppress(Exception):
+            self.release()
 
 
 def saving_now(lock: Path) -> bool:

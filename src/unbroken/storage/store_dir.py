@@ -21,6 +21,8 @@ step folders without a manifest are removed by a later save once they are older 
 ``UNBROKEN_STALE_UPLOAD_S`` seconds (default 3600): there is no lock to tell an
 abandoned upload from one in progress, so age tells. Readers never remove anything.
 Deleting a checkpoint deletes its manifest first (unlisted at once), then its objects.
+There is no run lock either (:class:`NoRunLock` is never held): which job owns a prefix is
+told by its committed steps alone (``core/ownership.py``).
 """
 
 from __future__ import annotations
@@ -95,6 +97,18 @@ class StoreCheckpointDir:
             if step is not None and rest == MANIFEST:
                 found.add(step)
         return sorted(found)
+
+    def step_marks(self) -> dict[int, str]:
+        """Committed steps, each with its manifest's identity (ETag), which a re-save
+        changes: one listing."""
+        return _marks(self._objects())
+
+    def step_mark(self, step: int) -> str | None:
+        info = self.store.listing(self.step_path(step).key).get(MANIFEST)
+        return None if info is None else str(info.get("etag"))
+
+    def run_lock(self) -> NoRunLock:
+        return NoRunLock()
 
     def steps_without_manifest(self) -> list[int]:
         # On a store a step folder without a manifest is an upload in progress or an
@@ -337,6 +351,29 @@ class StoreCheckpointDir:
             logger.warning("put back %s: a re-save of it did not complete", final)
         else:
             self._delete_prefix(aside)
+
+
+class NoRunLock:
+    """An object store has no locks: a run's hold on a prefix is never held."""
+
+    def hold(self) -> bool:
+        return False
+
+    def holder(self) -> str:
+        return "unknown (an object store has no locks)"
+
+    def release(self) -> None:
+        pass
+
+
+def _marks(objects: dict[str, dict[str, Any]]) -> dict[int, str]:
+    found = {}
+    for rel, info in objects.items():
+        top, _, rest = rel.partition("/")
+        step = step_of(top)
+        if step is not None and rest == MANIFEST:
+            found[step] = str(info.get("etag"))
+    return found
 
 
 def shard_save_id(name: str) -> str | None:

@@ -185,6 +185,9 @@ def _verify(
         report.fail(MANIFEST, str(exc))
         return
     report.step = doc["step"]
+    # What the save itself found (e.g. an optimizer holding no state while the model it
+    # covers trained): notes, not failures, since every byte may still be sound.
+    report.warnings.extend(f"at save: {w}" for w in doc.get("save_warnings") or [])
     try:
         manifest.require_native_byteorder(folder, doc)
     except CheckpointError as exc:
