@@ -234,7 +234,8 @@ def live_problems(
         problems += compare_exchanged(
             swap.keys, loaded.partials, live, loaded.algorithm, read_whole
         )
-    where = None if problems else tree.difference(skeleton, live_skeleton, c.name)
+    expected = c.installed_skeleton(skeleton)
+    where = None if problems else tree.difference(expected, live_skeleton, c.name)
     if where is not None:
         problems.append(
             f"{c.name}: non-tensor state (hyperparameters, structure, types) differs from "

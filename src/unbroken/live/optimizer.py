@@ -3,8 +3,11 @@
 Everything ``Optimizer.state_dict()`` returns is saved: per-parameter state (keyed by the
 parameter's normalized FQN instead of its position), param groups, state under keys that
 are not parameters, and any extra top-level entries wrappers and third-party optimizers
-add. On restore the state goes through ``load_state_dict`` (so the optimizer's hooks run),
-then every value torch cast or converted is put back exactly as saved. An optimizer over
+add; and the optimizer's class, so that a restore into another class says so ("saved
+AdamW, live SGD") before anything changes. On restore the state goes through
+``load_state_dict`` (so the optimizer's hooks run), then every value torch cast or
+converted is put back exactly as saved. Parameters are matched by FQN, so a param group
+built in another order (from a set of names) restores the same state. An optimizer over
 an FSDP1 model goes through FSDP's own conversion (``fsdp1.FSDP1Optimizer``).
 """
 
@@ -17,6 +20,8 @@ import torch
 from torch import nn
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
+from ..format.tree import TAG
+from . import torch_compat
 from .fsdp1 import FSDP1Optimizer
 from .state import Component, ModelComponent, empty_target, listing, named
 
@@ -27,7 +32,16 @@ PARAM_SHAPED = frozenset(
 )  # fmt: skip
 # Where state kept under keys that are not parameters goes in a captured optimizer.
 NON_PARAM_STATE = "unbroken:non_param_state"
+# The optimizer's class (``module.qualname``) beside its state; checkpoints written before
+# it was recorded lack it.
+OPTIMIZER_CLASS = "unbroken:class"
 _STANDARD = ("state", "param_groups")
+_OURS = (*_STANDARD, NON_PARAM_STATE, OPTIMIZER_CLASS)
+
+
+def class_name(opt: object) -> str:
+    """The name an optimizer's class is recorded under: ``module.qualname``."""
+    return f"{type(opt).__module__}.{type(opt).__qualname__}"
 
 
 class OptimizerComponent(Component):
@@ -75,14 +89,18 @@ class OptimizerComponent(Component):
 
     def _capture_one(self, name: str | None, opt: torch.optim.Optimizer) -> dict[str, Any]:
         fsdp = self._fsdp1_optimizers().get(name)
-        if fsdp is not None:
-            return fsdp.capture()
+        out = fsdp.capture() if fsdp is not None else self._capture_plain(name, opt)
+        out[OPTIMIZER_CLASS] = class_name(opt)
+        return out
+
+    def _capture_plain(self, name: str | None, opt: torch.optim.Optimizer) -> dict[str, Any]:
         where = self._where(name)
         groups = self._group_fqns(name, opt)
         by_index = [fqn for names in groups for fqn in names]
         sd = opt.state_dict()
-        if NON_PARAM_STATE in sd:
-            raise ValueError(f"{where}.state_dict() uses the reserved key {NON_PARAM_STATE!r}")
+        for reserved in (NON_PARAM_STATE, OPTIMIZER_CLASS):
+            if reserved in sd:
+                raise ValueError(f"{where}.state_dict() uses the reserved key {reserved!r}")
         state: dict[str, Any] = {}
         other: dict[Any, Any] = {}
         for key, value in sd["state"].items():
@@ -116,6 +134,7 @@ class OptimizerComponent(Component):
                     f"the checkpoint has no state for {where}; pass reset={{'optimizer'}} "
                     "to start it fresh on purpose"
                 )
+            self._check_class(where, opt, saved)
             live_groups = self._group_fqns(name, opt)
             saved_groups = [g["params"] for g in saved["param_groups"]]
             if len(saved_groups) != len(live_groups):
@@ -138,9 +157,62 @@ class OptimizerComponent(Component):
                         f"{listing(extra)}, which the live optimizer group does not hold"
                     )
 
+    def _check_class(self, where: str, opt: torch.optim.Optimizer, saved: dict) -> None:
+        """Refuse, before anything changes, state saved from another optimizer class: a
+        class recorded at save that differs from the live one, where the param groups'
+        keys differ too (AdamW and Adam, whose groups fit each other, pass); for a
+        checkpoint that recorded none, groups that each have keys the other lacks."""
+        recorded = saved.get(OPTIMIZER_CLASS)
+        if recorded == class_name(opt):
+            return
+        differs = _group_keys_differ(saved["param_groups"], opt.param_groups)
+        if differs is None or (recorded is None and not all(differs)):
+            return
+        only_saved, only_live = differs
+        live = type(opt).__name__
+        entries = _state_entries(saved.get("state"))
+        held = f"state {', '.join(entries)} per parameter, and " if entries else ""
+        if isinstance(recorded, str):
+            saved_as = recorded.rpartition(".")[2]
+            head, build = f"saved {saved_as}, live {live}", f" ({saved_as})"
+        else:
+            head, build = f"another optimizer class than the live {live}", ""
+        raise StateMismatchError(
+            f"{where}: {head}. The checkpoint holds {held}param group keys "
+            f"{', '.join(only_saved) or '(none of its own)'} that the live optimizer's groups "
+            f"lack; the live groups have {', '.join(only_live) or '(none of their own)'}: "
+            "another optimizer's state does not carry over. Build the optimizer as at save"
+            f"{build} or pass reset={{{self.name!r}}} to start the {live} fresh on purpose"
+        )
+
+    def installed_skeleton(self, skeleton: Any) -> Any:
+        """What capturing the optimizers gives right after installing ``skeleton``: each
+        param group's FQNs in the live order (state is matched by FQN, so a group built in
+        another order restores the same state), and the live class (checked before)."""
+
+        def one(name: str | None, opt: torch.optim.Optimizer, saved: Any) -> Any:
+            if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list):
+                return saved
+            groups = saved["param_groups"]
+            live = self._group_fqns(name, opt)
+            if len(groups) == len(live):
+                groups = [_reordered(g, names) for g, names in zip(groups, live, strict=True)]
+            return {**saved, "param_groups": groups, OPTIMIZER_CLASS: class_name(opt)}
+
+        if None in self.optimizers:
+            return one(None, self.optimizers[None], skeleton)
+        if not isinstance(skeleton, dict):
+            return skeleton
+        return {
+            **skeleton,
+            **{n: one(n, o, skeleton[n]) for n, o in self.optimizers.items() if n in skeleton},
+        }
+
     def targets(self, saved_keys: dict[str, dict], live: dict[str, torch.Tensor]) -> dict:
         params = {fqn: p for p, fqn in self._fqns().items()}
-        shapes = {fqn: p.shape for fqn, p in params.items()}
+        # A lazy module's uninitialized parameter has no shape until the model's install
+        # materializes it (in the saved shape): its state is not checked against it.
+        shapes = {fqn: p.shape for fqn, p in params.items() if not torch_compat.is_uninitialized(p)}
         # FSDP1: the original parameters' unsharded shapes; their state loads into DTensors
         # sharded as FSDP shards it.
         sharded = {
@@ -175,6 +247,7 @@ class OptimizerComponent(Component):
         fsdp = self._fsdp1_optimizers()
         for name, opt in self.optimizers.items():
             saved = state if name is None else state[name]
+            saved = {k: v for k, v in saved.items() if k != OPTIMIZER_CLASS}
             if name in fsdp:
                 fsdp[name].install(saved)
             else:
@@ -194,7 +267,7 @@ class OptimizerComponent(Component):
         if not isinstance(other, Mapping):
             raise CorruptCheckpointError(f"{where}: the saved {NON_PARAM_STATE!r} is no mapping")
         state.update(other)
-        extras = {k: v for k, v in saved.items() if k not in (*_STANDARD, NON_PARAM_STATE)}
+        extras = {k: v for k, v in saved.items() if k not in _OURS}
         try:
             opt.load_state_dict({"state": state, "param_groups": groups, **extras})
         except Exception as exc:  # torch's own checks of what it is given
@@ -204,10 +277,14 @@ class OptimizerComponent(Component):
             ) from exc
         # torch's load_state_dict casts floating state, nested lists and dicts included, to
         # each parameter's dtype (fp32 moments of a bf16 parameter become bf16): put back
-        # exactly what was saved.
+        # exactly what was saved. Where the optimizer's own ``state`` does not hold it (a
+        # wrapper whose base optimizer keeps it), nothing is added: the checks after the
+        # install compare what state_dict() gives with what was saved.
         params = {fqn: p for p, fqn in self._fqns().items()}
         for fqn, value in saved["state"].items():
-            live_state = opt.state[params[fqn]]
+            live_state = opt.state.get(params[fqn])
+            if not isinstance(live_state, dict):
+                continue
             for k, v in value.items():
                 if live_state.get(k) is not v:
                     live_state[k] = v
@@ -238,6 +315,40 @@ def group_fqns(
             names.append(fqn_of[p])
         groups.append(names)
     return groups
+
+
+def _group_keys_differ(
+    saved: Any, live: list[dict[str, Any]]
+) -> tuple[list[str], list[str]] | None:
+    """(keys only the saved group has, keys only the live one has) for the first param
+    group whose keys differ (``params`` aside), or None."""
+    if not isinstance(saved, list):
+        return None
+    for s, group in zip(saved, live, strict=False):
+        if not isinstance(s, dict) or TAG in s:
+            return None
+        mine, theirs = set(s) - {"params"}, set(group) - {"params"}
+        if mine != theirs:
+            return sorted(mine - theirs, key=str), sorted(theirs - mine, key=str)
+    return None
+
+
+def _state_entries(state: Any) -> list[str]:
+    """The names of the per-parameter state entries a saved optimizer skeleton holds."""
+    if not isinstance(state, dict):
+        return []
+    names = {k for v in state.values() if isinstance(v, dict) and TAG not in v for k in v}
+    return sorted((n for n in names if isinstance(n, str)), key=str)[:8]
+
+
+def _reordered(group: Any, live: list[str]) -> Any:
+    """A saved param group skeleton with its FQNs in the live order, where it holds the same
+    ones; else as saved (coverage refused a different set)."""
+    if not isinstance(group, dict) or not isinstance(group.get("params"), list):
+        return group
+    if sorted(group["params"], key=str) != sorted(live):
+        return group
+    return {**group, "params": list(live)}
 
 
 def _param_of_state_key(key: str, params: Mapping[str, Any]) -> tuple[str | None, str | None]:

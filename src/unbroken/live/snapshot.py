@@ -5,9 +5,10 @@ object changes; if installing or the checks after it fail midway, each component
 back with the undo taken here (or, for a model installed by exchanging bytes, with the
 exchange: see ``exchange``). Costs: a model's tensors are cloned on their own device
 (one extra copy of the weights while the restore runs; :func:`begin` makes that copy
-while the checkpoint is being read); an optimizer keeps references to its previous state
-(``load_state_dict`` replaces state objects, it does not write into them); other
-components' ``state_dict()`` is deep-copied.
+while the checkpoint is being read), and a lazy module's uninitialized tensors, which the
+install materializes, are made uninitialized again; an optimizer keeps references to its
+previous state (``load_state_dict`` replaces state objects, it does not write into them);
+other components' ``state_dict()`` is deep-copied.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from . import torch_compat
 from .optimizer import OptimizerComponent
 from .state import Component, ModelComponent
 
@@ -79,15 +81,43 @@ def _take(component: Component) -> Undo:
 
 
 def _reinstall(component: Component, before: Any) -> Undo:
-    return lambda: component.install(before)
+    def undo() -> None:
+        lazy: list[_Uninitialized] = []
+        state = _values(before, lazy)
+        for held in lazy:  # materialized by the install: uninitialized again, as before
+            if not torch_compat.is_uninitialized(held.tensor):
+                torch_compat.unmaterialize(held.tensor, held.kind)
+        component.install(state)
+
+    return undo
+
+
+class _Uninitialized:
+    """A lazy module's tensor that had no values yet (kept itself, not copied)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.kind = type(tensor)
 
 
 def _clone(value: Any) -> Any:
     if isinstance(value, DTensor | torch.Tensor):
+        if torch_compat.is_uninitialized(value):
+            return _Uninitialized(value)
         return value.detach().clone()
     if isinstance(value, dict):
         return {k: _clone(v) for k, v in value.items()}
     return value
+
+
+def _values(copy: Any, lazy: list[_Uninitialized]) -> Any:
+    """The state to install from a :func:`_clone` copy; its uninitialized tensors listed."""
+    if isinstance(copy, _Uninitialized):
+        lazy.append(copy)
+        return copy.tensor
+    if isinstance(copy, dict):
+        return {k: _values(v, lazy) for k, v in copy.items()}
+    return copy
 
 
 def _optimizer(component: OptimizerComponent) -> Undo:
@@ -101,9 +131,26 @@ def _optimizer(component: OptimizerComponent) -> Undo:
             # Through load_state_dict first, so wrappers put back their own attributes;
             # then the very objects the optimizer held (torch casts on load).
             opt.load_state_dict(state_dict)
-            opt.state, opt.param_groups = state, groups
+            _put_back(opt, "state", state)
+            _put_back(opt, "param_groups", groups)
 
     return undo
+
+
+def _put_back(opt: torch.optim.Optimizer, name: str, before: Any) -> None:
+    """``opt.<name> = before``; where a wrapper gives its base optimizer's as a read-only
+    property (a Lookahead), ``before``'s contents go into the one it gives."""
+    try:
+        setattr(opt, name, before)
+    except AttributeError:
+        live = getattr(opt, name)
+        if live is before:
+            return
+        live.clear()
+        if isinstance(live, dict):
+            live.update(before)
+        else:
+            live.extend(before)
 
 
 def _stateful(component: Component) -> Undo:

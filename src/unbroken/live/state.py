@@ -8,6 +8,7 @@ checkpoint holds, never from the live optimizer's lazily created state (DESIGN.m
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
@@ -100,6 +101,11 @@ class Component:
     def install(self, state: Any) -> None:
         raise NotImplementedError
 
+    def installed_skeleton(self, skeleton: Any) -> Any:
+        """The skeleton a capture gives right after installing the saved ``skeleton``: the
+        same, unless installing reorders what means the same (an optimizer's groups)."""
+        return skeleton
+
     verify_live = False  # recapture after install and compare fingerprints
 
 
@@ -173,6 +179,10 @@ class ModelComponent(Component):
         return sorted({fqn for p, names in fqns.items() if p.requires_grad for fqn in names})
 
     def targets(self, saved_keys: dict[str, dict], live: dict[str, torch.Tensor]) -> dict:
+        """Load targets shaped as saved. A shape change is refused unless the tensor's
+        module loads its state itself (it may resize it, as torch lets it: verified after
+        the install); a lazy module's uninitialized tensor takes the saved shape, as torch's
+        ``load_state_dict`` materializes it."""
         missing = sorted(set(live) - set(saved_keys))
         if missing:
             raise IncompleteCheckpointError(
@@ -186,20 +196,33 @@ class ModelComponent(Component):
                 f"the checkpoint holds {len(unknown)} tensor(s) the live model lacks: "
                 f"{listing(unknown)}; the architecture changed since the save"
             )
-        wrong = [
-            f"{key}: saved shape {tuple(entry['shape'])}, live shape {tuple(live[key].shape)}"
+        lazy = {key: t for key, t in live.items() if torch_compat.is_uninitialized(t)}
+        _check_lazy_dtypes(lazy, saved_keys)
+        resized = {
+            key
             for key, entry in saved_keys.items()
-            if list(live[key].shape) != entry["shape"]
-        ]
+            if key not in lazy and list(live[key].shape) != entry["shape"]
+        }
+        wrong = sorted(resized - self._self_loaded_keys()) if resized else []
         if wrong:
             raise StateMismatchError(
-                "the architecture changed since the save: " + "; ".join(wrong[:_MAX_LISTED])
+                "the architecture changed since the save: "
+                + "; ".join(
+                    f"{key}: saved shape {tuple(saved_keys[key]['shape'])}, live shape "
+                    f"{tuple(live[key].shape)}"
+                    for key in wrong[:_MAX_LISTED]
+                )
+                + ". (A tensor that changes shape in training loads only where its module "
+                "resizes it in its own _load_from_state_dict, as torch's load_state_dict "
+                "requires)"
             )
         relaid = [
             f"{key}: saved with {layout.describe(entry['stride'], entry['shape'])}, live has "
             f"{layout.describe(live[key].stride(), entry['shape'])}"
             for key, entry in saved_keys.items()
             if "stride" in entry
+            and key not in lazy
+            and key not in resized
             and not isinstance(live[key], DTensor)
             and list(live[key].stride()) != entry["stride"]
         ]
@@ -211,6 +234,29 @@ class ModelComponent(Component):
                 "before restore()"
             )
         return {key: empty_target(entry, live[key]) for key, entry in saved_keys.items()}
+
+    def _self_loaded_keys(self) -> set[str]:
+        """The tensor keys (as in :meth:`targets`) of the parameters and buffers whose
+        module, or a module above it, may resize them as it loads (:func:`_loads_itself`)."""
+        out: set[str] = set()
+        for name, module in self.models.items():
+            own = [
+                prefix
+                for prefix, m in module.named_modules(remove_duplicate=False)
+                if _loads_itself(m, root=m is module)
+            ]
+            if not own:
+                continue
+            raw = itertools.chain(
+                module.named_parameters(remove_duplicate=False),
+                module.named_buffers(remove_duplicate=False),
+            )
+            for n, _ in raw:
+                if any(not p or n.startswith(p + ".") for p in own):
+                    for fqn in normalized_fqns(module, n):
+                        path = (fqn,) if name is None else (name, fqn)
+                        out.add(tree.join_key(self.name, *path))
+        return out
 
     def exchange_plan(
         self, live: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]
@@ -239,6 +285,42 @@ class ModelComponent(Component):
 
 
 _GET_OPTIONS = StateDictOptions(strict=False)
+
+
+def _loads_itself(module: nn.Module, *, root: bool) -> bool:
+    """Whether code of the user's takes part in loading ``module`` before torch compares
+    shapes, and so may resize a tensor as torch's ``load_state_dict`` lets it: its own
+    ``_load_from_state_dict`` (or, at the ``root``, ``load_state_dict``) or a load pre-hook.
+    torch's own overrides and hooks (BatchNorm's, wrappers' prefixes, lazy modules') do not
+    resize: a shape change there is the architecture's."""
+    cls = type(module)
+    own = [cls._load_from_state_dict, *module._load_state_dict_pre_hooks.values()]
+    if root:
+        own.append(cls.load_state_dict)
+    return not all(_defined_in_torch(fn) for fn in own)
+
+
+def _defined_in_torch(fn: object) -> bool:
+    where = getattr(getattr(fn, "hook", fn), "__module__", None) or ""
+    return where == "torch" or where.startswith("torch.")
+
+
+def _check_lazy_dtypes(lazy: dict[str, torch.Tensor], saved_keys: dict[str, dict]) -> None:
+    """Refuse, before anything changes, a lazy module's uninitialized tensor whose dtype is
+    not the saved one: loading materializes it in its own dtype and casts the values."""
+    cast = [
+        f"{key} (saved {saved_keys[key]['dtype']}, live {str(t.dtype).removeprefix('torch.')})"
+        for key, t in lazy.items()
+        if str(t.dtype).removeprefix("torch.") != saved_keys[key]["dtype"]
+    ]
+    if cast:
+        raise StateMismatchError(
+            "the live model has lazy modules not yet run (uninitialized parameters or "
+            f"buffers) in another dtype than the checkpoint's: {listing(cast)}. restore() "
+            "materializes them in the saved shapes, as torch's load_state_dict does, but in "
+            "their own dtype, which would cast the saved values: build the lazy modules with "
+            "the saved dtype (e.g. nn.LazyLinear(n, dtype=...)) before restore()"
+        )
 
 
 def _check_joined_names(models: dict[str, nn.Module]) -> None:

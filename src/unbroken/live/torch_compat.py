@@ -21,6 +21,10 @@ restoring a wrong checkpoint.
 - :func:`fsdp1_dtensor_state` (and :func:`fsdp1_mesh`): FSDP1 gives its sharded state
   as DTensors, not ShardedTensors, when its modules carry a device mesh (``_device_mesh``;
   one is built from the module's ``process_group`` and ``compute_device``).
+- :func:`unmaterialize`: a lazy module's parameter or buffer that ``load_state_dict``
+  materialized made uninitialized again (the undo of a failed restore), inverting what
+  ``UninitializedTensorMixin.materialize`` does (new data, then a class switch);
+  ``tests/unit/test_resume_shapes.py`` checks it.
 """
 
 from __future__ import annotations
@@ -131,3 +135,18 @@ def fsdp1_dtensor_state(model: nn.Module) -> Iterator[None]:
     finally:
         for module in lent:
             module._device_mesh = None
+
+
+def is_uninitialized(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a lazy module's parameter or buffer before its first forward (an
+    ``UninitializedParameter`` or ``UninitializedBuffer``: no shape, no values yet)."""
+    return bool(nn.parameter.is_lazy(t))
+
+
+def unmaterialize(t: torch.Tensor, uninitialized: type) -> None:
+    """Make ``t``, materialized in place since it was an instance of ``uninitialized``
+    (``UninitializedParameter`` or ``UninitializedBuffer``), uninitialized again: its
+    module's next forward (or load) initializes it, as before the materialization."""
+    with torch.no_grad():
+        t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    t.__class__ = uninitialized

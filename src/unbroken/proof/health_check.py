@@ -14,6 +14,10 @@ and the rates measured on three training scripts, exact and buggy.
    it sees only resets that visibly disturb training (full-size first steps at a high
    learning rate); a lost RNG or data position seldom shows in these metrics, and it
    does not claim to detect them.
+
+Nothing here raises into ``restore()`` or ``track()``: an optimizer the watch cannot
+watch is named (:attr:`HealthCheck.unwatched`, and a logged warning), and a check that
+fails on what it is given stops, with a logged warning, instead of failing the run.
 """
 
 from __future__ import annotations
@@ -159,9 +163,10 @@ class HealthCheck:
         loss: the name of the tracked loss.
         grad_norm: the name of the tracked gradient norm, or None.
         optimizers: name -> optimizer that the resume restored, for the optimizer watch
-            (None or empty: no watch).
+            (None or empty: no watch). One it cannot watch is named in :attr:`unwatched`.
 
-    Not thread-safe: feed it from the training loop (``RunRecord.track`` does).
+    Never raises from :meth:`observe` or :meth:`close`. Not thread-safe: feed it from the
+    training loop (``RunRecord.track`` does).
     """
 
     def __init__(
@@ -182,14 +187,23 @@ class HealthCheck:
         self._watch = OptimizerWatch(optimizers) if optimizers else None
         self._metrics_pending = True
         self._seen = 0
+        self._failed = False
         self.warnings: list[str] = []
+
+    @property
+    def unwatched(self) -> dict[str, str]:
+        """The restored optimizers the optimizer watch cannot watch (name -> why)."""
+        return dict(self._watch.unwatched) if self._watch is not None else {}
 
     @property
     def done(self) -> bool:
         """True once the check has nothing left to say about this resume."""
         watching = self._watch is not None and not self._watch.done
         return (
-            bool(self.warnings) or self._seen >= HORIZON or not (watching or self._metrics_pending)
+            self._failed
+            or bool(self.warnings)
+            or self._seen >= HORIZON
+            or not (watching or self._metrics_pending)
         )
 
     def observe(self, step: int, metrics: Mapping[str, float]) -> list[str]:
@@ -197,9 +211,21 @@ class HealthCheck:
         if self.done or step <= self._resumed_from:
             return []
         self._seen += 1
-        found = self._watch.observe() if self._watch is not None else None
-        if found is None and self._metrics_pending:
-            found = self._observe_metrics(metrics)
+        try:
+            found = self._watch.observe() if self._watch is not None else None
+            if found is None and self._metrics_pending:
+                found = self._observe_metrics(metrics)
+        except Exception as exc:  # never into track(): the check stops, saying why
+            self._failed = True
+            self.close()
+            logger.warning(
+                "resume health check (step %d) stopped: it could not judge step %d (%s: %s)",
+                self._resumed_from,
+                step,
+                type(exc).__name__,
+                exc,
+            )
+            return []
         if found is not None:
             logger.warning("resume health check (step %d): %s", self._resumed_from, found)
             self.warnings.append(found)
@@ -210,7 +236,10 @@ class HealthCheck:
     def close(self) -> None:
         """Stop watching (removes the optimizer watch's hooks); safe to call again."""
         if self._watch is not None:
-            self._watch.close()
+            try:
+                self._watch.close()
+            except Exception as exc:  # never into track() or a new restore()
+                logger.debug("resume health check: closing the optimizer watch: %s", exc)
 
     def _observe_metrics(self, metrics: Mapping[str, float]) -> str | None:
         loss, grad_norm = self._names

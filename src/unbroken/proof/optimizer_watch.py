@@ -20,10 +20,16 @@ It is not statistical: it cannot fire on a loop that steps the optimizer it rest
 whatever the metrics. One change alone (your own edit of the weights after restoring)
 is not enough; it stays silent while nothing changes (gradient accumulation, tracking
 before the first update) and for optimizers without per-parameter state (plain SGD).
+
+It never raises into ``restore()`` or ``track()``: an optimizer it cannot watch (a wrapper
+such as timm's ``Lookahead`` whose step hooks cannot be registered, or one whose state
+cannot be read) is left out, named in :attr:`OptimizerWatch.unwatched` and in a logged
+warning, and the rest of the check goes on.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import torch
@@ -33,6 +39,8 @@ from ..format import bitwise
 
 PARAMS = 4  # parameters watched per optimizer
 ELEMENTS = 8  # elements sampled per tensor
+
+logger = logging.getLogger(__name__)
 
 
 def _sample(t: torch.Tensor) -> torch.Tensor:
@@ -76,17 +84,24 @@ class _Watched:
         self.last = [_sample(p) for p in self.params]
         self.changes = 0  # tracked steps at which the parameters had changed
         self.stepping = False  # step() was called or its state changed: it is in use
-        self._hook = opt.register_step_post_hook(self._stepped) if self.params else None
+        self._hook = None
+        if self.params:
+            # Without this hook a step that leaves the sampled state alone would look like
+            # no step at all, and the watch could blame an optimizer in use: a wrapper
+            # whose hooks cannot be registered is not watched (OptimizerWatch.unwatched).
+            self._hook = opt.register_step_post_hook(self._stepped)
 
     def _stepped(self, *_: object) -> None:
         self.stepping = True
 
     def close(self) -> None:
-        """Stop watching: remove the hook from the optimizer."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        self.params = []
+        """Stop watching: remove the hook from the optimizer (never raises)."""
+        hook, self._hook, self.params = self._hook, None, []
+        if hook is not None:
+            try:
+                hook.remove()
+            except Exception as exc:  # a wrapper's own hook container
+                logger.debug("the optimizer watch's hook on %s: %s", self.name, _why(exc))
 
     def observe(self) -> str | None:
         """None while undecided or fine; a warning when the optimizer is not in use."""
@@ -122,20 +137,42 @@ class _Watched:
         return None
 
 
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
 class OptimizerWatch:
     """Watches the restored optimizers (name -> optimizer) after a resume.
 
-    Call :meth:`observe` at each tracked step; it returns a warning at most once.
+    Call :meth:`observe` at each tracked step; it returns a warning at most once. Never
+    raises: an optimizer it cannot watch is left out and named in :attr:`unwatched`
+    (and a logged warning).
     Not thread-safe: call it from the training loop, as ``Checkpointer.track`` does.
     """
 
     def __init__(self, optimizers: Mapping[str | None, torch.optim.Optimizer]) -> None:
-        watched = [
-            _Watched("optimizer" if name is None else f"optimizer {name!r}", opt)
-            for name, opt in optimizers.items()
-        ]
-        self._watched = [w for w in watched if w.params]
+        self.unwatched: dict[str, str] = {}  # optimizer (as named in messages) -> why
+        self._watched: list[_Watched] = []
+        for name, opt in optimizers.items():
+            label = "optimizer" if name is None else f"optimizer {name!r}"
+            try:
+                watched = _Watched(label, opt)
+            except Exception as exc:  # a wrapper's hooks or state (e.g. timm's Lookahead)
+                self._give_up(label, opt, exc)
+                continue
+            if watched.params:
+                self._watched.append(watched)
         self.stepping = False  # a restored optimizer was seen stepping
+
+    def _give_up(self, label: str, opt: object, exc: BaseException) -> None:
+        why = f"{type(opt).__name__}: {_why(exc)}"
+        self.unwatched[label] = why
+        logger.warning(
+            "resume health check: the %s is not watched (%s); a fresh optimizer built "
+            "after restore() in its place would go unnoticed (the metric check still runs)",
+            label,
+            why,
+        )
 
     @property
     def done(self) -> bool:
@@ -145,7 +182,12 @@ class OptimizerWatch:
     def observe(self) -> str | None:
         """Compare with the restored state; the warning, once, if an optimizer is unused."""
         for w in self._watched:
-            found = w.observe()
+            try:
+                found = w.observe()
+            except Exception as exc:  # its state changed into something it cannot read
+                w.close()
+                self._give_up(w.name, w.opt, exc)
+                continue
             self.stepping |= w.stepping
             if found is not None:
                 self.close()

@@ -1,9 +1,10 @@
 """Which model parameters the saved optimizer state covers, from the manifest alone.
 
 Silent loss of optimizer state (DESIGN.md F1, F3) shows up on disk as parameters in a
-param group with no state, state keyed by an FQN the model does not have, or model
-parameters that no optimizer group holds. This module finds each of them in a committed
-checkpoint without live objects. A tied weight (``lm_head.weight`` that is
+param group with no state, or state keyed by an FQN the model does not have (failures),
+and as model parameters that no optimizer group holds: a warning only, since parts of a
+model that no optimizer trains are normal (an EMA, a frozen tower). This module finds
+each of them in a committed checkpoint without live objects. A tied weight (``lm_head.weight`` that is
 ``wte.weight``) is optimized under its parameter's name: it is listed as tied, not as a
 tensor in no param group.
 """
@@ -50,6 +51,7 @@ class OptimizerCoverage(JsonResult):
     state_without_group: list[str] = dataclasses.field(default_factory=list)
     unoptimized: list[str] = dataclasses.field(default_factory=list)  # buffers, frozen
     unoptimized_parameters: list[str] = dataclasses.field(default_factory=list)  # trainable
+    # (a warning: an EMA or averaged copy, a part no optimizer trains)
     shape_mismatches: list[str] = dataclasses.field(default_factory=list)  # messages
     missing_tensors: list[str] = dataclasses.field(default_factory=list)  # unlisted keys
     unreadable_steps: list[str] = dataclasses.field(default_factory=list)
@@ -57,14 +59,12 @@ class OptimizerCoverage(JsonResult):
 
     @property
     def failures(self) -> list[str]:
-        """What makes the checkpoint unsound: state that fits no parameter or group, a
-        trainable parameter nothing optimizes, shapes that differ, unlisted tensors."""
+        """What makes the checkpoint unsound: state that fits no parameter or group, shapes
+        that differ, unlisted tensors."""
         out = [f"optimizer state for {f!r}, which is not a model parameter (FQNs orphaned)"
                for f in self.not_in_model]  # fmt: skip
         out += [f"optimizer state for {f!r} belongs to no param group"
                 for f in self.state_without_group]  # fmt: skip
-        out += [f"model parameter {f!r} is in no optimizer param group"
-                for f in self.unoptimized_parameters]  # fmt: skip
         out += self.shape_mismatches
         out += [f"optimizer state references tensor {k!r}, which the manifest does not list"
                 for k in self.missing_tensors]  # fmt: skip
@@ -72,10 +72,21 @@ class OptimizerCoverage(JsonResult):
 
     @property
     def warnings(self) -> list[str]:
-        """What may be intended: parameters without state (never given a gradient), and
-        floating-point tensors in no param group (buffers, frozen parameters)."""
+        """What may be intended: parameters without state (never given a gradient),
+        trainable parameters no optimizer trains (an EMA or averaged copy, a tower left
+        untrained), and floating-point tensors in no param group (buffers, frozen
+        parameters)."""
         out = [f"parameter {f!r} is in a param group but has no optimizer state (expected "
                "only if it never received a gradient)" for f in self.no_state]  # fmt: skip
+        if self.unoptimized_parameters:
+            shown = self.unoptimized_parameters
+            out.append(
+                f"{len(shown)} trainable model parameter(s) are in no optimizer param group: "
+                f"{', '.join(shown[:5])}{' ...' if len(shown) > 5 else ''}. Normal for an "
+                "EMA or averaged copy (torch.optim.swa_utils.AveragedModel) or a part no "
+                "optimizer trains; if an optimizer does train them, it was not passed to the "
+                "Checkpointer and its state is not saved"
+            )
         if self.unoptimized:
             out.append(
                 f"{len(self.unoptimized)} floating-point model tensor(s) are in no optimizer "
