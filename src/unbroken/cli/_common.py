@@ -40,6 +40,11 @@ EXIT_USAGE = 2  # bad path, unknown step, not a checkpoint, bad option
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Machine-readable output on stdout (and nothing else).")
 ]
+# click's errors, as typer raises them (recent typer releases carry a copy of click of
+# their own): found from the one typer exports, so that either kind is caught.
+_CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+_USAGE_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "UsageError")
+
 StepOption = Annotated[
     int | None, typer.Option("--step", min=0, help="A committed step (default: the latest).")
 ]
@@ -81,10 +86,40 @@ class Command(TyperCommand):
 
 
 class Group(TyperGroup):
-    """The ``unbroken`` group itself (its ``--help`` is a flag too)."""
+    """The ``unbroken`` group itself (its ``--help`` is a flag too). Every usage error of
+    it and of its commands (parsed, or raised by a command as ``typer.BadParameter``) is
+    one line on stderr, not typer's boxed panel (:func:`one_line_errors`)."""
 
     def get_params(self, ctx: Any) -> list:
         return _flags_as_flags(super().get_params(ctx))
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        with one_line_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: Any) -> Any:
+        with one_line_errors():
+            return super().invoke(ctx)
+
+
+@contextlib.contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Print click's errors (a missing or unknown option, a bad value, a
+    ``typer.BadParameter``) as one line on stderr, ``UsageError: message (see 'unbroken
+    CMD --help')``, and exit with their code (2 for usage errors). ``unbroken`` alone
+    still prints its help."""
+    try:
+        yield
+    except _CLICK_ERROR as exc:
+        if type(exc).__name__ == "NoArgsIsHelpError":  # the help itself, not an error
+            raise
+        name = "UsageError" if isinstance(exc, _USAGE_ERROR) else type(exc).__name__
+        message = " ".join(exc.format_message().split())  # one line, whatever it held
+        ctx = getattr(exc, "ctx", None)
+        if isinstance(exc, _USAGE_ERROR) and ctx is not None and ctx.help_option_names:
+            message += f" (see '{ctx.command_path} {ctx.help_option_names[0]}')"
+        print(f"{name}: {message}", file=sys.stderr)
+        raise typer.Exit(exc.exit_code) from None
 
 
 def stdout() -> Console:

@@ -7,24 +7,33 @@ writing, fingerprinting and the commit run on a background thread.
 change (buffers such as BatchNorm statistics, the scheduler, the data position, the RNG,
 ``extra``; small), then returns. The parameters and the optimizer state, nearly all the
 bytes, are copied on the background thread while the next forward and backward run;
-every optimizer the Checkpointer holds waits for that copy in a step pre-hook
-(``Optimizer.register_step_pre_hook``), the first moment they would change. Then the
+every optimizer's step waits for that copy, the first moment they would change. Then the
 write goes on in the background as with ``True``.
+
+Every optimizer, not only those the Checkpointer holds: a second optimizer (a part of
+the model trained apart, a GAN's other half) may step the saved parameters too, and its
+fused kernels (``fused=True``) change them without bumping a version counter, so the
+check below would not see it. While a copy is pending, a step pre-hook common to all
+optimizers (``torch.optim.optimizer.register_optimizer_step_pre_hook``) makes any
+``torch.optim.Optimizer``'s ``step()`` wait for it; an optimizer the Checkpointer holds
+that is not a ``torch.optim.Optimizer`` gets its own pre-hook (``register_step_pre_hook``).
 
 The bug class: a *torn checkpoint*, whose tensors come from two steps (the weights of
 step N with the moments of N+1, or half of one tensor each). It loads without an error
 and resumes onto a trajectory no run ever took. So the copy must be exactly the state at
-``save(step)``. The optimizer hooks cover every change an optimizer makes; any other
-in-place change of a saved parameter or optimizer tensor before the copy is settled (an
-EMA update, weight surgery, a ``load_state_dict``) is found through the tensors'
-``_version`` counters (torch bumps one on every in-place change): each is recorded at
-``save()`` and compared, in the training thread, once the copy is done; any difference
-refuses the save (nothing is committed, the error is raised by the next ``save()``,
-``wait()`` or ``close()``). The rule for users: between ``save()`` and the next optimizer
-step, change parameters and optimizer state only through the optimizers' ``step()``, or
-call ``ckpt.wait()`` first. Torch counts no versions through ``.data`` (an edit of
-``p.data`` in place is invisible to autograd and to this check alike), nor from another
-thread or process writing the memory: those are outside what can be detected.
+``save(step)``. The optimizer hooks cover every change an optimizer's ``step()`` makes,
+fused or not; any other in-place change of a saved parameter or optimizer tensor before
+the copy is settled (an EMA update, weight surgery, a ``load_state_dict``) is found
+through the tensors' ``_version`` counters (torch bumps one on every in-place change):
+each is recorded at ``save()`` and compared, in the training thread, once the copy is
+done; any difference refuses the save (nothing is committed, the error is raised by the
+next ``save()``, ``wait()`` or ``close()``). The rule for users: between ``save()`` and
+the next optimizer step, change parameters and optimizer state only through an
+optimizer's ``step()``, or call ``ckpt.wait()`` first. Torch counts no versions through
+``.data`` (an edit of ``p.data`` in place is invisible to autograd and to this check
+alike), nor in a fused kernel called outside an optimizer's ``step()``
+(``torch._fused_adamw_`` by hand), nor from another thread or process writing the
+memory: those are outside what can be detected.
 
 Collectives of the background thread run on a gloo group of its own, never on the
 default group the training loop uses; the copy itself issues none.
@@ -42,6 +51,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import CheckpointError
@@ -113,6 +123,7 @@ class _Copy:
         self.after = torch.cuda.current_stream(cuda).record_event() if cuda else None
         self.copied = threading.Event()
         self.settled = threading.Event()
+        self.settling = threading.Lock()  # one judge, however many threads step
         self.changed: list[str] = []
 
     def _versions(self, key: str) -> list[int]:
@@ -128,8 +139,16 @@ class _Copy:
         change the state any more, and the check is made here."""
         while not self.settled.wait(SETTLE_POLL_S):
             if not self.owner.is_alive():
-                self.check()
-                self.settled.set()
+                self.judge()
+
+    def judge(self) -> bool:
+        """Check the copy once (it must be done); True for the caller that judged it."""
+        with self.settling:
+            if self.settled.is_set():
+                return False
+            self.check()
+            self.settled.set()
+            return True
 
     def refusal(self) -> CheckpointError:
         step = self.staged.request.step
@@ -140,7 +159,7 @@ class _Copy:
             "returned and before its copy was settled at the next optimizer step, outside "
             'an optimizer\'s step(). With async_save="overlap" the parameters and optimizer '
             "state are copied while training goes on, so until the next step() they may "
-            "change only through the optimizers the Checkpointer holds: call ckpt.wait() "
+            "change only through an optimizer's step(): call ckpt.wait() "
             "before changing them any other way (an EMA update, weight surgery, a "
             "load_state_dict), or use async_save=True. Earlier checkpoints are untouched"
         )
@@ -149,13 +168,15 @@ class _Copy:
 class BackgroundSaver:
     """Runs one save at a time behind the training loop (see the module docstring).
 
-    Thread safety: every method is called from the training loop's thread (the optimizer
-    hooks run there too, inside ``step()``); the save itself runs on one worker thread.
+    Thread safety: every method is called from the training loop's thread; the optimizer
+    hooks run in whichever thread calls ``step()`` (each such thread waits for the copy,
+    one judges it); the save itself runs on one worker thread.
 
     Args:
         mode: ``True`` or ``"overlap"``.
         components: the Checkpointer's components: their parameters and optimizer state
-            are what ``"overlap"`` copies late, and their optimizers are hooked.
+            are what ``"overlap"`` copies late. Every optimizer's step waits for that
+            copy, held or not.
     """
 
     def __init__(self, mode: bool | str, components: list[Component]) -> None:
@@ -224,9 +245,7 @@ class BackgroundSaver:
         job = None
         if staged.deferred:
             job = self._copy = _Copy(staged, threading.current_thread(), self._owners)
-            self._hooks = [
-                opt.register_step_pre_hook(self._before_step) for opt in self._optimizers
-            ]
+            self._hooks = self._hook_steps()
         self._owners = {}  # no references to live tensors kept beyond this save
         self._pending = self._executor.submit(self._run, staged, job, finish)
 
@@ -247,21 +266,35 @@ class BackgroundSaver:
                 collective.agree(copy_and_judge)  # save here, before any writes
             finish(staged)
 
-    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.settle()  # the hook is removed later: not while torch iterates the hooks
+    def _hook_steps(self) -> list[RemovableHandle]:
+        """Make every optimizer's next step wait for the copy (see the module docstring).
+        The hooks hold the saver weakly: one left behind by a saver never closed is a
+        no-op, and does not keep it alive."""
+        ref = weakref.ref(self)
+
+        def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+            saver = ref()
+            if saver is not None:
+                saver.settle()  # the hook is removed later: not while torch iterates hooks
+
+        hooks = [register_optimizer_step_pre_hook(before_step)]
+        for opt in self._optimizers:
+            if not isinstance(opt, torch.optim.Optimizer):  # the common hook skips it
+                hooks.append(opt.register_step_pre_hook(before_step))
+        return hooks
 
     def settle(self) -> None:
-        """Wait for the deferred copy (training thread) and judge it: the saved tensors
-        must not have changed since ``save()``. A refusal is logged here and raised by
-        the next ``wait()``."""
-        job, self._copy = self._copy, None
-        if job is None or job.settled.is_set():
+        """Wait for the deferred copy and judge it: the saved tensors must not have
+        changed since ``save()``. A refusal is logged here and raised by the next
+        ``wait()``. Any thread stepping an optimizer waits here until the copy is done."""
+        job = self._copy
+        if job is None:
             return
         job.copied.wait()
-        job.check()
-        job.settled.set()
-        if job.changed:
+        if job.judge() and job.changed:
             logger.error("%s", job.refusal())
+        if self._copy is job:
+            self._copy = None
 
     def wait(self) -> None:
         """Wait for the save in flight; raise its error if it failed."""

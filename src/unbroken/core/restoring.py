@@ -133,39 +133,44 @@ def restore(
 def plan_components(
     doc: dict[str, Any], components: list[Component], request: RestoreRequest
 ) -> Plan:
-    """Restored, reset or absent, per component; an error for anything passed that the
-    checkpoint lacks, or saved that was not passed, unless asked for on purpose."""
+    """Restored, reset or absent, per component; one error naming all that were passed but
+    are not in the checkpoint, or saved but not passed, unless asked for on purpose."""
     saved_world, world = doc["world_size"], collective.world_size()
     status: dict[str, str] = {}
     warnings: list[str] = []
+    absent, unmappable = [], []  # passed but not restorable: one error names them all
     for c in components:
         if c.name in request.reset:
             status[c.name] = "reset"
             logger.warning("component %r starts fresh on request (reset)", c.name)
-            continue
-        if c.name not in doc["components"]:
-            raise IncompleteCheckpointError(
-                f"the checkpoint of step {doc['step']} has no {c.name!r} component, which was "
-                f"passed to the Checkpointer; pass reset={{{c.name!r}}} to start it fresh on "
-                "purpose"
-            )
-        if doc["components"][c.name].get("per_rank") and saved_world != world:
+        elif c.name not in doc["components"]:
+            absent.append(repr(c.name))
+        elif doc["components"][c.name].get("per_rank") and saved_world != world:
             why = "" if c.per_rank else " (its state differed between ranks when saved)"
-            raise IncompleteCheckpointError(
-                f"{c.name!r} is per-rank state{why} saved by {saved_world} rank(s) and cannot "
-                f"be mapped onto {world}; pass reset={{{c.name!r}}} to start it fresh on purpose"
-            )
-        status[c.name] = "restored"
+            unmappable.append(f"{c.name!r}{why}")
+        else:
+            status[c.name] = "restored"
+    if absent or unmappable:
+        gone = (f"{', '.join(absent)} passed to the Checkpointer but not in the checkpoint of "
+                f"step {doc['step']}; ") * bool(absent)  # fmt: skip
+        moved = (f"{', '.join(unmappable)}: per-rank state saved by {saved_world} rank(s), "
+                 f"not mappable onto {world}; ") * bool(unmappable)  # fmt: skip
+        names = ", ".join(repr(c.name) for c in components if c.name not in status)
+        raise IncompleteCheckpointError(f"{gone}{moved}pass reset={{{names}}} to start them "
+                                        "fresh on purpose")  # fmt: skip
     not_passed = [name for name in doc["components"] if name not in status]
     unexpected = [name for name in not_passed if name not in request.skip]
     if unexpected:
         listed = ", ".join(repr(n) for n in unexpected)
+        saved = {n: doc["components"][n].get("state") for n in unexpected}  # an extra may be
+        opts = [repr(n) for n, v in saved.items() if n == "optimizer" or  # an optimizer too
+                (isinstance(v, dict) and "param_groups" in v)]  # fmt: skip
+        adamw = f" (for {', '.join(opts)}: AdamW silently reset)" if opts else ""
         raise StateMismatchError(
             f"the checkpoint of step {doc['step']} holds {listed}, not passed to the "
-            "Checkpointer: restoring without it would leave it fresh and drop it from every "
-            "later checkpoint (for an optimizer: AdamW silently reset). Pass it to the "
-            f"Checkpointer (e.g. {unexpected[0]}=...), or restore(skip={{{unexpected[0]!r}}}) "
-            "to leave it out on purpose (recorded in the lineage)"
+            "Checkpointer: restoring without them would leave them fresh and drop them from "
+            f"every later checkpoint{adamw}. Pass them to the Checkpointer, or "
+            f"restore(skip={{{listed}}}) to leave them out on purpose (recorded in the lineage)"
         )
     for name in not_passed:
         status[name] = "absent"

@@ -9,7 +9,15 @@ from __future__ import annotations
 from collections.abc import Container
 from typing import Any
 
-from .tree import FACTORIES, TAG, TAG_FIELDS, SkeletonError, decode, unknown_tag
+from .tree import (
+    FACTORIES,
+    OPTIONAL_FIELDS,
+    TAG,
+    TAG_FIELDS,
+    SkeletonError,
+    decode,
+    unknown_tag,
+)
 
 
 def check(node: Any, keys: Container[str] | None, where: str = "") -> None:
@@ -32,9 +40,15 @@ def _tagged(node: dict, keys: Container[str] | None, where: str) -> None:
     fields = TAG_FIELDS.get(tag) if isinstance(tag, str) else None
     if fields is None:
         raise SkeletonError(f"{where or '/'}: {unknown_tag(tag)}")
-    if set(node) != {TAG, *fields}:
-        raise SkeletonError(f"{where}: a {tag!r} tag has the fields {sorted(fields)}, "
-                            f"not {sorted(node)}")  # fmt: skip
+    optional = OPTIONAL_FIELDS.get(tag, {})
+    if not {TAG, *fields} <= set(node) <= {TAG, *fields, *optional}:
+        allowed = f" (and optionally {sorted(optional)})" if optional else ""
+        raise SkeletonError(f"{where}: a {tag!r} tag has the fields {sorted(fields)}"
+                            f"{allowed}, not {sorted(node)}")  # fmt: skip
+    for field, value in optional.items():
+        if field in node and node[field] is not value:
+            raise SkeletonError(f"{where}: a {tag!r} tag's {field!r} is {value!r} when "
+                                f"present, not {repr(node[field])[:40]}")  # fmt: skip
     if tag == "tensor":
         if not isinstance(node["key"], str) or (keys is not None and node["key"] not in keys):
             raise SkeletonError(f"{where}: references tensor {repr(node['key'])[:80]}, "

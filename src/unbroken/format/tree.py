@@ -12,6 +12,11 @@ scalars) and the same key order. A plain dict with string keys is a JSON object 
 manifest keeps its member order); everything else that JSON cannot say carries an
 ``{"__ub__": TAG, ...}`` tag. Tags are never redefined: skeletons written by older
 versions decode as they always did.
+
+A tensor's reference keeps what the flat tensor cannot: ``"requires_grad": true`` for a
+tensor that requires grad (an extra's learnable scalar), so it comes back as a leaf that
+requires grad. The field is written only then, so older skeletons (which never have it)
+decode as before.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ TAG_FIELDS: dict[str, set[str]] = {
     "tensor": {"key"}, "float": {"repr"}, "defaultdict": {"factory", "items"},
     "dtype": {"name"}, "ndarray": {"dtype", "shape", "data"}, "npscalar": {"dtype", "value"},
 }  # fmt: skip
+# Fields a tag may have besides those, each with the one value it may take when present.
+OPTIONAL_FIELDS: dict[str, dict[str, Any]] = {"tensor": {"requires_grad": True}}
 _NON_FINITE = ("nan", "inf", "-inf")
 _NP_DTYPE = re.compile(r"^[<>|=]([biuf]\d{1,2}|U\d{1,6}|[mM]8(\[\d*[a-zA-Z]{1,2}\])?)$")
 _MAX_NDIM = 64
@@ -97,6 +104,8 @@ def _encode(value: Any, path: list, tensors: dict, key_for: Callable | None) -> 
         if key in tensors:
             raise ValueError(f"two tensors map to the same checkpoint key {key!r}")
         tensors[key] = value
+        if value.requires_grad:
+            return {TAG: "tensor", "key": key, "requires_grad": True}
         return {TAG: "tensor", "key": key}
     if isinstance(value, np.generic):  # before float and str: np.float64 and np.str_ are both
         return _encode_npscalar(value, path)
@@ -225,7 +234,7 @@ def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if tag is None:
         return {k: decode(v, tensors) for k, v in skeleton.items()}
     if tag == "tensor":
-        return tensors[skeleton["key"]]
+        return _decode_tensor(skeleton, tensors)
     if tag == "float":
         if skeleton["repr"] not in _NON_FINITE:
             raise SkeletonError(f"a tagged float must be one of {_NON_FINITE}")
@@ -247,6 +256,19 @@ def decode(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     if tag == "npscalar":
         return _np_dtype(skeleton["dtype"]).type(decode(skeleton["value"], {}))
     raise SkeletonError(unknown_tag(tag))
+
+
+def _decode_tensor(skeleton: dict, tensors: Mapping[str, torch.Tensor]) -> Any:
+    value = tensors[skeleton["key"]]
+    if skeleton.get("requires_grad") is not True or not hasattr(value, "requires_grad_"):
+        return value  # (a reader that needs no values maps keys to placeholders)
+    if not (value.is_floating_point() or value.is_complex()):
+        raise SkeletonError(
+            f"tensor {skeleton['key']!r} is marked requires_grad but is {value.dtype}, "
+            "which cannot require grad: the checkpoint is damaged; use an older step"
+        )
+    # A new leaf on the same memory: the loaded tensor itself stays as it was read.
+    return value.detach().requires_grad_(True)
 
 
 def unknown_tag(tag: Any) -> str:
@@ -307,11 +329,15 @@ def difference(saved: Any, live: Any, path: str) -> str | None:
     Exact where JSON is: ``bool``, ``int``, ``float`` and ``str`` are told apart, floats
     compare by their bits (``0.0`` is not ``-0.0``), lists (and with them the items of
     every tagged container) compare in order. The member order of a JSON object is not
-    compared: manifests written before the container tags sorted it.
+    compared: manifests written before the container tags sorted it. Tensor references
+    compare by key and requires_grad (the values are compared elsewhere, by bits).
     """
     if _json_kind(saved) is not _json_kind(live):
         return f"{path} (saved {saved!r}, live {live!r})"
     if isinstance(saved, dict):
+        grad = _requires_grad(saved), _requires_grad(live)
+        if grad[0] != grad[1]:
+            return f"{path} (saved requires_grad={grad[0]}, live requires_grad={grad[1]})"
         if set(saved) != set(live):
             return f"{path} (saved keys {sorted(saved, key=str)}, live {sorted(live, key=str)})"
         for k in saved:
@@ -329,6 +355,11 @@ def difference(saved: Any, live: Any, path: str) -> str | None:
         return None
     same = saved.hex() == live.hex() if isinstance(saved, float) else saved == live
     return None if same else f"{path} (saved {saved!r}, live {live!r})"
+
+
+def _requires_grad(node: dict) -> bool | None:
+    """A tensor reference's requires_grad (None for any other node)."""
+    return node.get("requires_grad") is True if node.get(TAG) == "tensor" else None
 
 
 def _json_kind(value: Any) -> type:

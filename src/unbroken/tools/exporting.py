@@ -35,6 +35,9 @@ from ..format import fingerprint, manifest, tree
 from ..format.manifest import DTYPES
 from ..format.shards import tensor_bytes
 from ..format.tensor_reader import TensorReader
+from ..storage.interface import Location
+from ..storage.locate import checkpoint_dir
+from ..storage.names import folder_step
 from .contents import model_fqns
 from .folders import locate
 from .reporting import JsonResult, Progress, ProgressCount
@@ -146,7 +149,8 @@ def export_checkpoint(
         StateMismatchError: a tensor fails its fingerprint, or a dtype safetensors
             cannot hold.
         IncompleteCheckpointError: the checkpoint has no model.
-        CheckpointError: ``to`` lies inside the checkpoint folder.
+        CheckpointError: ``to`` lies inside the run folder (the folder holding the step
+            folders; the step folder itself if it is not in one), links resolved.
 
     Example::
 
@@ -154,8 +158,7 @@ def export_checkpoint(
     """
     target = _export_dtype(dtype)
     folder, to = locate(path, step), Path(to)
-    if isinstance(folder, Path) and to.resolve().is_relative_to(folder.resolve()):
-        raise CheckpointError(f"refusing to write {to} inside the checkpoint folder {folder}")
+    _refuse_inside(_run_folder(folder), to)
     doc = manifest.read(folder)
     manifest.require_known_fingerprints(folder, doc)
     algorithm = manifest.fingerprint_algorithm(doc)
@@ -206,6 +209,30 @@ def export_checkpoint(
         raise
     skipped = _non_tensor_model_state(doc)
     return ExportResult(str(to), doc["step"], len(items), data_size, metadata, skipped, ties)
+
+
+def _run_folder(folder: Location) -> Path | None:
+    """The local folder no export may write into: the run folder holding the step folder
+    exported (its other steps, its metrics and lock too), or the step folder itself if
+    it is not one of a run's. None for a store (a URL source holds no local file)."""
+    if not isinstance(folder, Path):
+        return None
+    parent = folder.parent
+    if folder_step(folder) is not None and checkpoint_dir(parent).steps():
+        return Path(parent)
+    return Path(folder)
+
+
+def _refuse_inside(root: Path | None, to: Path) -> None:
+    if root is None:
+        return
+    root, where = root.resolve(), to.resolve()  # links followed on both sides
+    if where.is_relative_to(root):
+        raise CheckpointError(
+            f"refusing to write {to}: it is inside the checkpoint run folder {root} "
+            f"(resolved: {where}), and a file written there could damage its committed "
+            f"checkpoints; write the export outside it, e.g. to {root.parent / to.name}"
+        )
 
 
 def _export_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
