@@ -230,7 +230,9 @@ for bit; the health check is a cheap, always-on tripwire.
    it waits through steps that change nothing (gradient accumulation, tracking before
    the update), and it ignores one change alone (your own edit of the weights right
    after the restore). It is off for optimizers without per-parameter state (plain SGD)
-   and after `restore(reset={{"optimizer"}})`.
+   and after `restore(reset={{"optimizer"}})`. An optimizer it cannot watch (a wrapper
+   whose step hooks cannot be registered, state it cannot read) is left out and named
+   in a logged warning: the check never raises into `restore()` or `track()`.
 2. **The metric check.** For the loss and for the logarithm of the gradient norm (it
    jumps by factors), at a point t of the series:
    - level = median of the {LEVEL} steps before t;
