@@ -305,7 +305,7 @@ class Checkpointer:
 
         The last steps go into each checkpoint's manifest, the whole series into
         ``metrics.jsonl`` (on a store: objects under ``metrics/``; see
-        :func:`unbroken.proof.metrics.read_series`); after a resume the
+        :func:`unbroken.proof.series.read_series`); after a resume the
         ones named ``loss_metric`` and ``grad_norm_metric`` feed the health check, whose
         finding (at most one per resume) is logged and kept in :attr:`warnings`.
         """

@@ -25,11 +25,11 @@ from pathlib import Path
 
 from .format import manifest
 from .live.stopping import STOP_AT_ENV
-from .proof.metrics import read_series
 from .proof.plotting import plot_resume_test
 from .proof.replay import ResumeTestResult, compare, stop_steps
 from .proof.resume_lineage import ordinal
 from .proof.runs import Command, RunFailed, run
+from .proof.series import read_series
 from .storage.interface import Location
 from .storage.locate import checkpoint_dir, location
 

@@ -18,7 +18,7 @@ import torch
 
 from conftest import Problem
 from unbroken.errors import CheckpointError
-from unbroken.proof.metrics import read_series, record_lines
+from unbroken.proof.series import read_series, record_lines
 from unbroken.storage.store import Store
 
 

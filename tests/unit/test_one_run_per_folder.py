@@ -19,7 +19,7 @@ import torch
 import unbroken as ub
 from conftest import Problem
 from unbroken.format import manifest
-from unbroken.proof.metrics import read_series, record_lines
+from unbroken.proof.series import read_series, record_lines
 
 
 def _run_id(folder, step) -> str:

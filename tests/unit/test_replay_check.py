@@ -165,3 +165,21 @@ def test_a_damaged_metrics_file_never_fails_the_restore(ckpt_dir):
     assert start == 5 and ckpt.replay.status == "skipped"
     assert "metrics.jsonl is unreadable" in ckpt.replay.reason
     ckpt.close()
+
+
+def test_steps_a_run_withdrew_are_no_reference(ckpt_dir):
+    """A segment that lost the folder to another run (its save refused) withdrew its steps
+    after its last commit (a ``retracted`` line): they are not the reference the next
+    resume compares with, whatever they hold. The steps it kept still are."""
+    _crashed_run(ckpt_dir, upto=8, save_at=(5,))
+    lines = [json.loads(x) for x in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]
+    segment = lines[0]["segment"]
+    with open(ckpt_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"segment": segment, "step": 7,
+                            "metrics": {"loss": 123.0, "weight_norm": 1.0}}) + "\n")  # fmt: skip
+        f.write(json.dumps({"segment": segment, "retracted": True, "kept_upto": 6,
+                            "reason": "another run committed"}) + "\n")  # fmt: skip
+    q, ckpt, start = _resume(ckpt_dir)
+    assert start == 5 and ckpt.replay.recorded_steps == 1  # step 6 only: 7 and 8 withdrawn
+    _train(ckpt, q, start, 8)
+    assert ckpt.replay.identical is True and ckpt.replay.compared_steps == 1

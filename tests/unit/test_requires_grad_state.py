@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+import unbroken as ub
 from conftest import Problem
 from unbroken.format import manifest, skeleton_check, tree
 
@@ -82,3 +83,28 @@ def test_difference_names_a_lost_requires_grad():
         "extra/w (saved requires_grad=True, live requires_grad=False)"
     )
     assert tree.difference(saved, saved, "extra") is None
+
+
+def test_a_sealed_manifest_marking_an_integer_tensor_is_damage_and_restore_falls_back(tmp_path):
+    """A manifest (sealed with a valid checksum) that marks an integer tensor
+    requires_grad is damage: restore() falls back to the older step with a warning naming
+    the component, and restore(step=) raises CorruptCheckpointError, never a raw
+    ValueError; nothing live changes."""
+    p = Problem()
+    ckpt = p.checkpointer(tmp_path / "c", extra={"learn": Learnable(seed=1)}, keep_last=None)
+    p.step()
+    ckpt.save(1)
+    p.step()
+    ckpt.save(2)
+    ckpt.close()
+    folder = tmp_path / "c" / "step_00000002"
+    doc = manifest.read(folder)
+    doc["components"]["learn"]["state"]["count"]["requires_grad"] = True
+    manifest.write(folder, {k: v for k, v in doc.items() if k not in ("format", "format_version")})
+
+    back = Learnable(seed=5)
+    report = Problem(seed=3).checkpointer(tmp_path / "c", extra={"learn": back}).restore()
+    assert report.step == 1
+    assert any("step 2" in w and "'learn'" in w for w in report.warnings), report.warnings
+    with pytest.raises(ub.CorruptCheckpointError, match="'learn'"):
+        Problem(seed=3).checkpointer(tmp_path / "c", extra={"learn": Learnable(5)}).restore(step=2)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.proof.metrics import read_series
 from unbroken.proof.run_record import METRICS_WINDOW, RunRecord
+from unbroken.proof.series import read_series
 from unbroken.storage.locate import location
 
 

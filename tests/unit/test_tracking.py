@@ -12,7 +12,7 @@ import torch
 
 from conftest import Problem
 from unbroken.proof import health_check, metrics
-from unbroken.proof.metrics import read_series
+from unbroken.proof.series import read_series
 
 
 def _run(ckpt_dir, upto, *, save_at=(), seed=0, restore_step=None, close=True):

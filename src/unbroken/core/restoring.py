@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..errors import (
-    CheckpointError,
     CorruptCheckpointError,
     IncompleteCheckpointError,
     StateMismatchError,
@@ -45,6 +44,7 @@ from ..report import RestoreReport
 from ..storage.interface import Location
 from . import collective, verify
 from .saving import unwrap
+from .transaction import Transaction
 
 logger = logging.getLogger(__name__)
 
@@ -151,32 +151,49 @@ def plan_components(
         else:
             status[c.name] = "restored"
     if absent or unmappable:
-        gone = (f"{', '.join(absent)} passed to the Checkpointer but not in the checkpoint of "
-                f"step {doc['step']}; ") * bool(absent)  # fmt: skip
-        moved = (f"{', '.join(unmappable)}: per-rank state saved by {saved_world} rank(s), "
-                 f"not mappable onto {world}; ") * bool(unmappable)  # fmt: skip
-        names = ", ".join(repr(c.name) for c in components if c.name not in status)
-        raise IncompleteCheckpointError(f"{gone}{moved}pass reset={{{names}}} to start them "
-                                        "fresh on purpose")  # fmt: skip
+        raise IncompleteCheckpointError(_not_restorable(doc, components, status, absent,
+                                                        unmappable, world))  # fmt: skip
     not_passed = [name for name in doc["components"] if name not in status]
     unexpected = [name for name in not_passed if name not in request.skip]
     if unexpected:
-        listed = ", ".join(repr(n) for n in unexpected)
-        saved = {n: doc["components"][n].get("state") for n in unexpected}  # an extra may be
-        opts = [repr(n) for n, v in saved.items() if n == "optimizer" or  # an optimizer too
-                (isinstance(v, dict) and "param_groups" in v)]  # fmt: skip
-        adamw = f" (for {', '.join(opts)}: AdamW silently reset)" if opts else ""
-        raise StateMismatchError(
-            f"the checkpoint of step {doc['step']} holds {listed}, not passed to the "
-            "Checkpointer: restoring without them would leave them fresh and drop them from "
-            f"every later checkpoint{adamw}. Pass them to the Checkpointer, or "
-            f"restore(skip={{{listed}}}) to leave them out on purpose (recorded in the lineage)"
-        )
+        raise StateMismatchError(_not_passed(doc, unexpected))
     for name in not_passed:
         status[name] = "absent"
         warnings.append(f"{name!r} left out on request (skip): it will not be in new checkpoints")
     active = [c for c in components if status[c.name] == "restored"]
     return Plan(status, active, warnings, saved_world, world)
+
+
+def _not_restorable(doc: dict[str, Any], components: list[Component], status: dict[str, str],
+                    absent: list[str], unmappable: list[str], world: int) -> str:  # fmt: skip
+    """Every component passed that cannot be restored, and one ``reset=`` for them all."""
+    why = []
+    if absent:
+        why.append(f"{', '.join(absent)} passed to the Checkpointer but not in the "
+                   f"checkpoint of step {doc['step']}")  # fmt: skip
+    if unmappable:
+        why.append(f"{', '.join(unmappable)}: per-rank state saved by {doc['world_size']} "
+                   f"rank(s), not mappable onto {world}")  # fmt: skip
+    names = ", ".join(repr(c.name) for c in components if c.name not in status)
+    return f"{'; '.join(why)}; pass reset={{{names}}} to start them fresh on purpose"
+
+
+def _not_passed(doc: dict[str, Any], unexpected: list[str]) -> str:
+    """Every saved component not passed, one ``skip=`` for them all, and what leaving an
+    optimizer out means (an extra holding ``param_groups`` is one too)."""
+    listed = ", ".join(repr(n) for n in unexpected)
+    states = {n: doc["components"][n].get("state") for n in unexpected}
+    optimizers = [
+        repr(n) for n, state in states.items()
+        if n == "optimizer" or (isinstance(state, dict) and "param_groups" in state)
+    ]  # fmt: skip
+    adamw = f" (for {', '.join(optimizers)}: AdamW silently reset)" if optimizers else ""
+    return (
+        f"the checkpoint of step {doc['step']} holds {listed}, not passed to the "
+        "Checkpointer: restoring without them would leave them fresh and drop them from "
+        f"every later checkpoint{adamw}. Pass them to the Checkpointer, or "
+        f"restore(skip={{{listed}}}) to leave them out on purpose (recorded in the lineage)"
+    )
 
 
 # -- targets ------------------------------------------------------------------------------
@@ -254,17 +271,28 @@ def read_and_check(folder: Location, doc: dict[str, Any], plan: Plan, targets: T
     problems, sharded = loaded.check_local(doc["tensors"])
     keys = list(doc["tensors"])  # the manifest's order: the same on every rank
 
-    def checked() -> list[snapshot.Undo]:
+    def checked() -> tuple[dict[str, Any], list[snapshot.Undo]]:
         _raise_corrupt(problems, folder)
         for swap in targets.exchanges.values():
             swap.check_ties(targets.tensors)
-        return targets.snapshot.collect()  # nothing live has changed up to here
+        states = {c.name: _decode(folder, c.name, targets) for c in plan.active}
+        return states, targets.snapshot.collect()  # nothing live has changed up to here
 
-    undo, sums = collective.agree_summing(checked, [sharded.get(k, 0) for k in keys])
+    done, sums = collective.agree_summing(checked, [sharded.get(k, 0) for k in keys])
     _raise_corrupt(loaded.check_sharded(doc["tensors"], dict(zip(keys, sums, strict=True))), folder)
-    assert undo is not None
-    states = {c.name: tree.decode(targets.skeletons[c.name], targets.tensors) for c in plan.active}
+    assert done is not None
+    states, undo = done
     return Loaded(states, loaded, reader.read_whole, undo)
+
+
+def _decode(folder: Location, name: str, targets: Targets) -> Any:
+    """Component ``name``'s state from its skeleton and the loaded tensors."""
+    try:
+        return tree.decode(targets.skeletons[name], targets.tensors)
+    except tree.SkeletonError as exc:  # the schema lets nothing undecodable through: hostile
+        raise CorruptCheckpointError(
+            f"{folder}: the saved state of {name!r} does not decode ({exc}); use an older step"
+        ) from None
 
 
 def _raise_corrupt(problems: list[str], folder: Location) -> None:
@@ -335,66 +363,3 @@ def verify_live(
         if message is not None:
             mine = r == collective.rank()
             raise StateMismatchError(message if mine else f"[rank {r}] {message}")
-
-
-# -- commit or roll back ------------------------------------------------------------------
-
-
-class Transaction:
-    """The installs of one restore: kept when the block ends normally (commit); on any
-    exception, every component whose install began is put back as it was (roll back), and
-    the exception, which then says so, goes on to the caller.
-
-    Args:
-        active: the components in install order.
-        undo: their undos, in the same order (``snapshot``).
-    """
-
-    def __init__(self, active: list[Component], undo: list[snapshot.Undo]) -> None:
-        self._undo = dict(zip((c.name for c in active), undo, strict=True))
-        self._begun: list[str] = []  # components whose install began, in order
-        self._finished = False
-
-    def begin(self, name: str) -> None:
-        """``name``'s install starts now (from here on it is put back on failure)."""
-        self._begun.append(name)
-
-    def installed(self) -> None:
-        """Every install finished (a later failure is in verification, not an install)."""
-        self._finished = True
-
-    def __enter__(self) -> Transaction:
-        return self
-
-    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
-        if exc is not None:
-            raising = None if self._finished or not self._begun else self._begun[-1]
-            self._roll_back(raising, exc)
-
-    def _roll_back(self, raising: str | None, exc: BaseException) -> None:
-        """Put every begun component back, newest first. ``raising`` names the component
-        whose own install raised, if any: putting it back is best effort. Raises if
-        another cannot be put back; else adds what was done to ``exc``."""
-        failed = {}
-        for name in reversed(self._begun):
-            try:
-                self._undo[name]()
-            except Exception as err:
-                failed[name] = f"{type(err).__name__}: {err}"
-        lost = [f"{name!r} ({why})" for name, why in failed.items() if name != raising]
-        if lost:
-            raise CheckpointError(
-                f"restore failed ({type(exc).__name__}: {exc}) after it began installing "
-                f"state, and {', '.join(lost)} could not be put back as it was: rebuild "
-                "those objects before training"
-            ) from exc
-        note = "nothing was changed: every live object was put back as it was before restore()"
-        if raising in failed:
-            note += (
-                f", except {raising!r}, whose load_state_dict raised and whose previous state "
-                f"could not be loaded back either ({failed[raising]}): check it"
-            )
-        if isinstance(exc, CheckpointError) and exc.args and isinstance(exc.args[0], str):
-            exc.args = (f"{exc.args[0]}\n({note})", *exc.args[1:])
-        else:
-            exc.add_note(note)

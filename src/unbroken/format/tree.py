@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import bitwise
+
 if TYPE_CHECKING:
     import torch
 
@@ -327,7 +329,7 @@ def difference(saved: Any, live: Any, path: str) -> str | None:
     """Where two skeletons first differ (``path/...`` with both values), or None.
 
     Exact where JSON is: ``bool``, ``int``, ``float`` and ``str`` are told apart, floats
-    compare by their bits (``0.0`` is not ``-0.0``), lists (and with them the items of
+    compare by the one rule of ``bitwise.same_float`` (``0.0`` is not ``-0.0``), lists (and with them the items of
     every tagged container) compare in order. The member order of a JSON object is not
     compared: manifests written before the container tags sorted it. Tensor references
     compare by key and requires_grad (the values are compared elsewhere, by bits).
@@ -353,7 +355,7 @@ def difference(saved: Any, live: Any, path: str) -> str | None:
             if found is not None:
                 return found
         return None
-    same = saved.hex() == live.hex() if isinstance(saved, float) else saved == live
+    same = bitwise.same_float(saved, live) if isinstance(saved, float) else saved == live
     return None if same else f"{path} (saved {saved!r}, live {live!r})"
 
 

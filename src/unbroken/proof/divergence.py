@@ -29,8 +29,8 @@ from typing import Any
 from ..format import bitwise, manifest
 from ..format.state_compare import StateComparison, compare_state
 from .generators import differing, label
-from .metrics import Series
 from .resume_lineage import ordinal, resets
+from .series import Series
 
 _SHOWN = 6  # components named in a cause
 

@@ -1,13 +1,12 @@
-"""Tracked metrics: kept in memory, appended as tracked, readable as one series.
+"""Tracked metrics: kept in memory and appended to the run's record as tracked (read
+back as one series by :mod:`.series`).
 
 Rank 0 appends to ``DIR/metrics.jsonl`` as it tracks (fsynced at every save and at
 ``close()``; on an object store the same lines go into objects under ``PREFIX/metrics/``,
 see :mod:`.metric_objects`): a segment header when a Checkpointer starts (with the step
 it resumed from, the segment that saved that checkpoint, and the world size), then one
 line per tracked step; health-check warnings and the replay check's verdict have lines
-of their own. Reading replays the lines in order: a segment that resumed from step R
-drops every later step of the timelines before it, and a replayed step replaces the old
-value, so the series has no duplicates and follows the timeline that survived.
+of their own.
 
 One run's record never mixes into another's (``core/ownership.py`` decides, through a
 :class:`RecordGate`): a Checkpointer's lines wait in memory until it has shown that the
@@ -39,10 +38,6 @@ from ..storage.interface import Location
 from ..storage.posix import free_space, writing
 from .metric_objects import ObjectLog
 from .series import FILE, from_json, record_name
-from .series import Series as Series  # re-exported: readers import them from here
-from .series import read_series as read_series
-from .series import record_lines as record_lines
-from .series import series_from_lines as series_from_lines
 
 logger = logging.getLogger(__name__)
 

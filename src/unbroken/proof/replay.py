@@ -18,7 +18,7 @@ from ..storage.locate import checkpoint_dir
 from . import resume_lineage
 from .divergence import evidence, likely_cause, rng_notes
 from .generators import differing, label
-from .metrics import Series, read_series, record_lines
+from .series import Series, read_series, record_lines
 
 
 @dataclasses.dataclass

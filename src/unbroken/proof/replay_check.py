@@ -13,7 +13,6 @@ size; anything else is skipped, saying why.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 from collections.abc import Iterable
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 from ..errors import CheckpointError
 from ..format import bitwise
 from ..storage.interface import Location
-from .metrics import record_lines, record_name
+from .series import is_withdrawn, parsed, record_lines, record_name, retractions
 
 logger = logging.getLogger(__name__)
 
@@ -170,12 +169,12 @@ def _reference(
     with the same world size; or a reason why there is no usable reference."""
     headers: dict[str, dict[str, Any]] = {}
     later: list[tuple[str, int, dict[str, Any]]] = []
-    for raw in lines:
-        try:
-            line = json.loads(raw)
-        except ValueError:
-            continue  # a torn line (a crash mid-append)
-        if not isinstance(line, dict) or not isinstance(line.get("segment"), str):
+    records = parsed(lines)
+    withdrawn = retractions(records)  # a run that lost the folder: not a reference
+    for line in records:
+        if not isinstance(line.get("segment"), str):
+            continue
+        if line["segment"] in withdrawn and is_withdrawn(line, withdrawn[line["segment"]]):
             continue
         step = line.get("step")
         if isinstance(step, int) and isinstance(line.get("metrics"), dict):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from ..storage.interface import Location
@@ -67,25 +68,15 @@ def read_series(root: str | os.PathLike | Location) -> Series:
 
 def series_from_lines(lines: list[str]) -> Series:
     """The surviving timeline of a metrics record's lines (:func:`record_lines`)."""
-    records = []
-    withdrawn: dict[str, int | None] = {}  # segment -> steps kept (None: none)
-    for raw in lines:
-        try:
-            line = json.loads(raw)
-        except ValueError:
-            continue  # a torn last line from a crash mid-append
-        if isinstance(line, dict):
-            records.append(line)
-            if line.get("retracted") is True and isinstance(line.get("segment"), str):
-                kept = line.get("kept_upto")
-                withdrawn[line["segment"]] = kept if isinstance(kept, int) else None
+    records = parsed(lines)
+    withdrawn = retractions(records)  # segment -> steps kept (None: none)
     by_step: dict[int, dict[str, float]] = {}
     resumes: list[int] = []
     warnings: list[tuple[int, str]] = []
     current = None  # the segment whose header came last
     for line in records:
         segment = line.get("segment")
-        if segment in withdrawn and _withdrawn(line, withdrawn[segment]):
+        if segment in withdrawn and is_withdrawn(line, withdrawn[segment]):
             continue
         if "step" not in line:
             if "resumed_from" not in line:
@@ -111,7 +102,32 @@ def series_from_lines(lines: list[str]) -> Series:
     return Series(values=values, resumes=resumes, warnings=warnings)
 
 
-def _withdrawn(line: dict[str, Any], kept: int | None) -> bool:
+def parsed(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """A record's lines as JSON objects, in order; a torn line (a crash mid-append) and
+    anything that is not an object are left out."""
+    records = []
+    for raw in lines:
+        try:
+            line = json.loads(raw)
+        except ValueError:
+            continue
+        if isinstance(line, dict):
+            records.append(line)
+    return records
+
+
+def retractions(records: Iterable[dict[str, Any]]) -> dict[str, int | None]:
+    """Segment -> the last step it kept (None: none), for every segment a ``retracted``
+    line withdrew (a Checkpointer that lost the folder to another run)."""
+    found: dict[str, int | None] = {}
+    for line in records:
+        if line.get("retracted") is True and isinstance(line.get("segment"), str):
+            kept = line.get("kept_upto")
+            found[line["segment"]] = kept if isinstance(kept, int) else None
+    return found
+
+
+def is_withdrawn(line: dict[str, Any], kept: int | None) -> bool:
     """Whether a withdrawn segment's ``line`` is out: its steps after ``kept``, and its
     header too if it kept none."""
     step = line.get("step")

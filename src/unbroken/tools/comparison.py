@@ -24,12 +24,12 @@ from typing import Any, Literal
 import torch
 
 from ..format import bitwise, manifest
-from ..format.state_compare import skeleton_differences
+from ..format.state_compare import skeleton_differences, skeletons
 from ..format.tensor_reader import TensorReader
 from ..proof.generators import differing, label
 from ..storage.interface import Location
 from ..storage.locate import location
-from .contents import component_skeletons, tensor_components
+from .contents import tensor_components
 from .folders import locate
 from .reporting import JsonResult, Progress, ProgressCount
 
@@ -176,7 +176,7 @@ def diff(
         else:
             summaries[name] = ComponentSummary(name, "identical")
             summaries[name].state_differences = skeleton_differences(
-                component_skeletons(doc_a, name), component_skeletons(doc_b, name), name
+                skeletons(doc_a, name), skeletons(doc_b, name), name
             )
     # Equal fingerprints mean equal values only within one fingerprint format.
     same_format = manifest.fingerprint_algorithm(doc_a) == manifest.fingerprint_algorithm(doc_b)

@@ -1,5 +1,6 @@
-"""What a manifest's components hold, from the JSON alone: each component's skeleton(s),
-the tensors each references, and the model's parameter and buffer FQNs.
+"""What a manifest's components hold, from the JSON alone: the tensors each component's
+skeleton(s) reference (``format.state_compare.skeletons``), and the model's parameter and
+buffer FQNs.
 
 Shared by every offline tool (inspection, verification, comparison, export, coverage).
 """
@@ -9,21 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 from ..format import tree
-
-
-def component_skeletons(doc: dict[str, Any], name: str) -> list[Any]:
-    """The JSON skeleton(s) of a component: one, or one per rank for per-rank state."""
-    entry = doc["components"][name]
-    if entry.get("per_rank"):
-        return [entry["ranks"][r] for r in sorted(entry.get("ranks", {}), key=int)]
-    return [entry.get("state")]
+from ..format.state_compare import skeletons
 
 
 def tensor_components(doc: dict[str, Any]) -> dict[str, str]:
     """Tensor key -> name of the component whose state references it."""
     owner: dict[str, str] = {}
     for name in doc["components"]:
-        for skeleton in component_skeletons(doc, name):
+        for skeleton in skeletons(doc, name):
             for key in tree.tensor_keys(skeleton):
                 owner.setdefault(key, name)
     return owner

@@ -24,11 +24,11 @@ import xxhash
 
 from ..errors import CheckpointError
 from ..format import fingerprint, manifest, tree
+from ..format.state_compare import skeletons
 from ..format.tensor_reader import TensorReader
 from ..storage.interface import Location, vanished
 from ..storage.locate import location
 from ..storage.names import MANIFEST, folder_step
-from .contents import component_skeletons
 from .coverage import optimizer_coverage
 from .folders import is_step_folder, locate, step_folders
 from .reporting import JsonResult, Progress, ProgressCount
@@ -288,7 +288,7 @@ def _check_references(doc: dict[str, Any], report: CheckpointVerification) -> No
                     f"per-rank component {name!r} has ranks {ranks}, expected one per rank "
                     f"of world size {doc['world_size']}",
                 )
-        for skeleton in component_skeletons(doc, name):
+        for skeleton in skeletons(doc, name):
             try:
                 tree.decode(skeleton, _AnyTensor())
             except (ValueError, TypeError, KeyError) as exc:

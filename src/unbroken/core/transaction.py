@@ -1,0 +1,75 @@
+"""Commit or roll back: the installs of one restore kept, or every one put back.
+
+The last phase of a restore (``restoring.py``): once every component's install began
+under a :class:`Transaction`, a failure anywhere after it (an install that raised, a
+verification that failed, an interrupt) puts every live object back as it was, newest
+first, with the undos the snapshot took (``live/snapshot.py``), and the error says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CheckpointError
+from ..live import snapshot
+from ..live.state import Component
+
+
+class Transaction:
+    """The installs of one restore: kept when the block ends normally (commit); on any
+    exception, every component whose install began is put back as it was (roll back), and
+    the exception, which then says so, goes on to the caller.
+
+    Args:
+        active: the components in install order.
+        undo: their undos, in the same order (``snapshot``).
+    """
+
+    def __init__(self, active: list[Component], undo: list[snapshot.Undo]) -> None:
+        self._undo = dict(zip((c.name for c in active), undo, strict=True))
+        self._begun: list[str] = []  # components whose install began, in order
+        self._finished = False
+
+    def begin(self, name: str) -> None:
+        """``name``'s install starts now (from here on it is put back on failure)."""
+        self._begun.append(name)
+
+    def installed(self) -> None:
+        """Every install finished (a later failure is in verification, not an install)."""
+        self._finished = True
+
+    def __enter__(self) -> Transaction:
+        return self
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None:
+            raising = None if self._finished or not self._begun else self._begun[-1]
+            self._roll_back(raising, exc)
+
+    def _roll_back(self, raising: str | None, exc: BaseException) -> None:
+        """Put every begun component back, newest first. ``raising`` names the component
+        whose own install raised, if any: putting it back is best effort. Raises if
+        another cannot be put back; else adds what was done to ``exc``."""
+        failed = {}
+        for name in reversed(self._begun):
+            try:
+                self._undo[name]()
+            except Exception as err:
+                failed[name] = f"{type(err).__name__}: {err}"
+        lost = [f"{name!r} ({why})" for name, why in failed.items() if name != raising]
+        if lost:
+            raise CheckpointError(
+                f"restore failed ({type(exc).__name__}: {exc}) after it began installing "
+                f"state, and {', '.join(lost)} could not be put back as it was: rebuild "
+                "those objects before training"
+            ) from exc
+        note = "nothing was changed: every live object was put back as it was before restore()"
+        if raising in failed:
+            note += (
+                f", except {raising!r}, whose load_state_dict raised and whose previous state "
+                f"could not be loaded back either ({failed[raising]}): check it"
+            )
+        if isinstance(exc, CheckpointError) and exc.args and isinstance(exc.args[0], str):
+            exc.args = (f"{exc.args[0]}\n({note})", *exc.args[1:])
+        else:
+            exc.add_note(note)
