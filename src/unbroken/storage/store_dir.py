@@ -90,13 +90,7 @@ class StoreCheckpointDir:
         return self.store.listing(self.root.key)
 
     def steps(self) -> list[int]:
-        found = set()
-        for rel in self._objects():
-            top, _, rest = rel.partition("/")
-            step = step_of(top)
-            if step is not None and rest == MANIFEST:
-                found.add(step)
-        return sorted(found)
+        return sorted(self.step_marks())
 
     def step_marks(self) -> dict[int, str]:
         """Committed steps, each with its manifest's identity (ETag), which a re-save
@@ -104,6 +98,8 @@ class StoreCheckpointDir:
         return _marks(self._objects())
 
     def step_mark(self, step: int) -> str | None:
+        # From a listing, as step_marks() takes them: a lookup (HEAD) gives the same
+        # identity in another spelling on some stores (quoted ETags, datetimes).
         info = self.store.listing(self.step_path(step).key).get(MANIFEST)
         return None if info is None else str(info.get("etag"))
 
