@@ -16,7 +16,7 @@ import pytest
 
 import unbroken as ub
 from conftest import Problem, assert_same_training_state
-from unbroken.format import shards
+from unbroken.format import shard_reader
 from unbroken.storage.locate import checkpoint_dir
 
 
@@ -71,7 +71,7 @@ def test_a_restore_cleaning_leftovers_never_makes_a_save_fail(ckpt_dir, monkeypa
 
 def _on_first_read(monkeypatch, act) -> None:
     """Run ``act()`` once, when a restore starts reading shard bytes."""
-    real = shards.ShardReader.read_data
+    real = shard_reader.ShardReader.read_data
     done = []
 
     def read_data(self, plan, planner):
@@ -80,7 +80,7 @@ def _on_first_read(monkeypatch, act) -> None:
             act()
         return real(self, plan, planner)
 
-    monkeypatch.setattr(shards.ShardReader, "read_data", read_data)
+    monkeypatch.setattr(shard_reader.ShardReader, "read_data", read_data)
 
 
 def test_a_step_pruned_while_being_restored_is_relisted_not_damage(ckpt_dir, monkeypatch):

@@ -17,7 +17,7 @@ import torch
 
 from conftest import Problem, assert_same_training_state
 from unbroken.errors import CheckpointError, CorruptCheckpointError
-from unbroken.format import shard_writer, shards
+from unbroken.format import shard_reader, shard_writer
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ def parallel_reads(monkeypatch):
     """Three files, each cut into runs of a chunk or two, read by four threads."""
     monkeypatch.setenv("UNBROKEN_WRITE_FILES", "8")
     monkeypatch.setattr(shard_writer, "SPLIT_MIN_BYTES", 64)
-    monkeypatch.setattr(shards, "READ_RUN_MIN_BYTES", 64)
+    monkeypatch.setattr(shard_reader, "READ_RUN_MIN_BYTES", 64)
     monkeypatch.setenv("UNBROKEN_READ_THREADS", "4")
 
 
@@ -145,14 +145,14 @@ def test_any_number_of_readers_restores_bit_exactly(
     monkeypatch.setenv("UNBROKEN_WRITE_FILES", "8")  # three files come out of this state
     monkeypatch.setattr(shard_writer, "SPLIT_MIN_BYTES", 64)
     if run_bytes is not None:
-        monkeypatch.setattr(shards, "READ_RUN_MIN_BYTES", run_bytes)
+        monkeypatch.setattr(shard_reader, "READ_RUN_MIN_BYTES", run_bytes)
     a = Problem()
     a.step()
     a.checkpointer(ckpt_dir).save(1)
     step = ckpt_dir / "step_00000001"
     assert len(_files(step)) == 3
     reads: dict[int, list[tuple[str, int]]] = {}
-    original = shards.ShardReader._read_chunk
+    original = shard_reader.ShardReader._read_chunk
 
     def traced(self, index, *args, **kwargs):
         where = self._location(index)
@@ -160,7 +160,7 @@ def test_any_number_of_readers_restores_bit_exactly(
         return original(self, index, *args, **kwargs)
 
     monkeypatch.setenv("UNBROKEN_READ_THREADS", str(threads))
-    monkeypatch.setattr(shards.ShardReader, "_read_chunk", traced)
+    monkeypatch.setattr(shard_reader.ShardReader, "_read_chunk", traced)
     b = Problem(seed=3)
     report = b.checkpointer(ckpt_dir).restore()
     assert report.verified
@@ -179,18 +179,18 @@ def test_any_number_of_readers_restores_bit_exactly(
 def test_runs_are_consecutive_balanced_and_capped(monkeypatch):
     """Each file is cut into runs of consecutive chunks, none below the minimum run size,
     at most ``MAX_READERS`` in all, shared among files by their size."""
-    monkeypatch.setattr(shards, "READ_RUN_MIN_BYTES", 100)
+    monkeypatch.setattr(shard_reader, "READ_RUN_MIN_BYTES", 100)
     small = [(0, 50), (1, 40)]  # 90 bytes: below one run
     big = [(i, 100) for i in range(2, 42)]  # 4,000 bytes
-    runs = shards._runs([small, big], shards.MAX_READERS)
+    runs = shard_reader._runs([small, big], shard_reader.MAX_READERS)
     assert runs[0] == [0, 1]
     assert [i for run in runs[1:] for i in run] == list(range(2, 42))  # order kept
-    assert len(runs) <= shards.MAX_READERS + 1  # at least one per file
-    assert len(runs) - 1 == shards.MAX_READERS * 4000 // 4090
+    assert len(runs) <= shard_reader.MAX_READERS + 1  # at least one per file
+    assert len(runs) - 1 == shard_reader.MAX_READERS * 4000 // 4090
     sizes = [100 * len(run) for run in runs[1:]]
     assert max(sizes) - min(sizes) <= 100  # balanced within a chunk
-    assert shards._runs([[(0, 10)]], 8) == [[0]]
-    assert shards._runs([big], 2) == [list(range(2, 22)), list(range(22, 42))]
+    assert shard_reader._runs([[(0, 10)]], 8) == [[0]]
+    assert shard_reader._runs([big], 2) == [list(range(2, 22)), list(range(22, 42))]
 
 
 def test_read_threads_share_the_cpus_among_local_ranks(monkeypatch):
@@ -198,22 +198,22 @@ def test_read_threads_share_the_cpus_among_local_ranks(monkeypatch):
     another; one process, or a rank pinned to two CPUs of its own, has several reads in
     flight; the variable wins."""
     monkeypatch.delenv("UNBROKEN_READ_THREADS", raising=False)
-    monkeypatch.setattr(shards.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(shards.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(shard_reader.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(shard_reader.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert shards.read_threads() == shards.MAX_READERS
+    assert shard_reader.read_threads() == shard_reader.MAX_READERS
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert shards.read_threads() == 1
+    assert shard_reader.read_threads() == 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert shards.read_threads() == 1
-    monkeypatch.setattr(shards.os, "cpu_count", lambda: 16)
-    monkeypatch.setattr(shards.os, "sched_getaffinity", lambda pid: {4, 5}, raising=False)
-    assert shards.read_threads() == shards.MAX_READERS  # pinned: two CPUs of its own
+    assert shard_reader.read_threads() == 1
+    monkeypatch.setattr(shard_reader.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(shard_reader.os, "sched_getaffinity", lambda pid: {4, 5}, raising=False)
+    assert shard_reader.read_threads() == shard_reader.MAX_READERS  # pinned: two CPUs of its own
     monkeypatch.setenv("UNBROKEN_READ_THREADS", "3")
-    assert shards.read_threads() == 3
+    assert shard_reader.read_threads() == 3
     monkeypatch.setenv("UNBROKEN_READ_THREADS", "0")
     with pytest.raises(ValueError, match="UNBROKEN_READ_THREADS"):
-        shards.read_threads()
+        shard_reader.read_threads()
 
 
 def test_every_reader_starts_before_the_first_read(split, ckpt_dir, monkeypatch, parallel_reads):
@@ -223,7 +223,7 @@ def test_every_reader_starts_before_the_first_read(split, ckpt_dir, monkeypatch,
     a = Problem()
     a.checkpointer(ckpt_dir).save(1)
     at_first_read: list[tuple[int, int]] = []
-    original = shards.ShardReader._read_chunk
+    original = shard_reader.ShardReader._read_chunk
 
     def traced(self, *args, **kwargs):
         if not at_first_read:
@@ -231,15 +231,15 @@ def test_every_reader_starts_before_the_first_read(split, ckpt_dir, monkeypatch,
         return original(self, *args, **kwargs)
 
     groups: list[int] = []
-    runs = shards._runs
+    runs = shard_reader._runs
 
     def counted(*args, **kwargs):
         out = runs(*args, **kwargs)
         groups.append(len(out))
         return out
 
-    monkeypatch.setattr(shards.ShardReader, "_read_chunk", traced)
-    monkeypatch.setattr(shards, "_runs", counted)
+    monkeypatch.setattr(shard_reader.ShardReader, "_read_chunk", traced)
+    monkeypatch.setattr(shard_reader, "_runs", counted)
     b = Problem(seed=3)
     assert b.checkpointer(ckpt_dir).restore().verified
     assert_same_training_state(a, b)

@@ -35,7 +35,8 @@ from ..errors import (
     StateMismatchError,
 )
 from ..format import manifest, tree
-from ..format.shards import ChunkLocation, ShardReader, quiet_single_process
+from ..format.shard_reader import ShardReader
+from ..format.shards import ChunkLocation, quiet_single_process
 from ..live import exchange, probe, snapshot
 from ..live.components import component_prefix
 from ..live.optimizer import OptimizerComponent

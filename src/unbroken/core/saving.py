@@ -34,7 +34,7 @@ from ..storage.posix import free_space
 from . import collective, verify
 from .idle_optimizers import IdleOptimizers
 from .ownership import FolderClaim
-from .staging import StagingBuffers
+from .staging import StagingBuffers, settle
 
 logger = logging.getLogger(__name__)
 
@@ -212,8 +212,10 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
     )
     writer = ShardWriter(partial, rank=rank, name=ckdir.shard_name(partial, rank),
                          files=write_files())  # fmt: skip
+    settle(flat)
     # Fingerprints are computed while DCP writes: file I/O and torch kernels both
-    # release the GIL, so the two overlap on separate cores.
+    # release the GIL, so the two overlap on separate cores (on a GPU, the fingerprints
+    # run on the device and the writes copy through pinned buffers: format/host_ring.py).
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-fp") as pool:
         algorithm = fingerprint.ALGORITHM  # one for every tensor, recorded in the manifest
         partials = pool.submit(verify.partials, flat, whole_here, algorithm)

@@ -19,6 +19,14 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return (t.to_local() if isinstance(t, DTensor) else t).detach()
 
 
+def settle(flat: dict[str, torch.Tensor]) -> None:
+    """Wait for the work queued on this thread's current CUDA streams: the threads that
+    then read ``flat`` (writers, fingerprints: each on its own stream) see final values,
+    whatever stream the caller trains on."""
+    for device in {local(t).device for t in flat.values() if local(t).is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
+
+
 class StagingBuffers:
     """One host buffer per saved tensor key, reused across saves.
 

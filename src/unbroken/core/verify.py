@@ -192,17 +192,19 @@ def compare_exchanged(
 ) -> list[str]:
     """Check the values of tensors installed by exchanging bytes (the loaded tensors now
     hold the previous values). Where one checked chunk was read straight into the whole
-    loaded tensor (``read_whole``: :attr:`ShardReader.read_whole`), the live bytes'
-    xxh3-128 must be that chunk's checksum (xxh3 runs at over twice a fingerprint's speed);
-    elsewhere the share of its fingerprint of what the live tensor holds here must be the
-    loaded one's (``loaded``: :attr:`LoadedFingerprints.partials`)."""
+    loaded tensor on the host (``read_whole``: ``ShardReader.read_whole``), the live
+    bytes' xxh3-128 must be that chunk's checksum (xxh3 runs at over twice a
+    fingerprint's speed); elsewhere, and on a GPU (nothing copied to the host), the share
+    of its fingerprint of what the live tensor holds here must be the loaded one's
+    (``loaded``: :attr:`LoadedFingerprints.partials`)."""
     problems = []
     for key in keys:
         if key not in live:
             continue
         local = live[key].to_local() if isinstance(live[key], DTensor) else live[key]
         chunk = read_whole.get(key)
-        if chunk is not None and local.is_contiguous() and local.nbytes == chunk.length:
+        on_host = local.device.type == "cpu"  # a device tensor is fingerprinted where it is
+        if chunk is not None and on_host and local.is_contiguous() and local.nbytes == chunk.length:
             same = shards.checksum(shards.tensor_bytes(local)) == chunk.checksum
         else:
             expected = loaded.get(key)

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch
+import xxhash
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from ..env import env_number
-from ..storage.interface import Location
+from ..storage.interface import FileSink, Location
 from ..storage.locate import location
+from . import host_ring
 from .schema import MAX_FILES_PER_RANK
 from .shards import ChunkLocation, checksum, shard_file_name, tensor_bytes
 
@@ -27,6 +32,17 @@ def write_files() -> int:
 
 
 SPLIT_MIN_BYTES = 64 << 20  # each file of a split shard holds at least this much
+
+
+def _write_pieces(out: FileSink, pieces: Iterator[memoryview]) -> tuple[int, str]:
+    """Write consecutive pieces of one chunk; its length and xxh3-128 checksum."""
+    hasher = xxhash.xxh3_128()
+    size = 0
+    for piece in pieces:
+        out.write(piece)
+        hasher.update(piece)
+        size += piece.nbytes
+    return size, hasher.hexdigest()
 
 
 def _split(items: list[Any], files: int) -> list[list[Any]]:
@@ -112,13 +128,25 @@ class ShardWriter(StorageWriter):
         local file fsynced, an object uploaded whole)."""
         results: list[WriteResult] = []
         offset = 0
-        with (self.directory / name).create() as out:
+        with contextlib.ExitStack() as stack:
+            out = stack.enter_context((self.directory / name).create())
+            rings: dict[torch.device, host_ring.HostRing] = {}  # one per device, this file's
             for item in items:
-                data = tensor_bytes(planner.resolve_data(item))
-                out.write(data)
-                location = ChunkLocation(name, offset, len(data), checksum(data))
-                offset += len(data)
-                results.append(WriteResult(item.index, len(data), location))
+                t = planner.resolve_data(item)
+                if not self.directory.remote and host_ring.through_ring(t):
+                    # An object store keeps the bytes it is given until the upload ends:
+                    # only a local file takes pieces of a reused buffer.
+                    if t.device not in rings:
+                        rings[t.device] = stack.enter_context(host_ring.borrow(t.device))
+                    size, digest = _write_pieces(out, rings[t.device].download(t))
+                else:
+                    data = tensor_bytes(t)
+                    out.write(data)
+                    size, digest = len(data), checksum(data)
+                results.append(
+                    WriteResult(item.index, size, ChunkLocation(name, offset, size, digest))
+                )
+                offset += size
         self._record(name, offset, results)
         return results
 

@@ -5,7 +5,8 @@ object changes; if installing or the checks after it fail midway, each component
 back with the undo taken here (or, for a model installed by exchanging bytes, with the
 exchange: see ``exchange``). Costs: a model's tensors are cloned on their own device
 (one extra copy of the weights while the restore runs; :func:`begin` makes that copy
-while the checkpoint is being read), and a lazy module's uninitialized tensors, which the
+while the checkpoint is being read; a GPU tensor the device has no room to copy is copied
+to host memory instead, with a warning), and a lazy module's uninitialized tensors, which the
 install materializes, are made uninitialized again; an optimizer keeps references to its
 previous state (``load_state_dict`` replaces state objects, it does not write into them);
 other components' ``state_dict()`` is deep-copied.
@@ -14,6 +15,7 @@ other components' ``state_dict()`` is deep-copied.
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -24,6 +26,8 @@ from torch.distributed.tensor import DTensor
 from . import torch_compat
 from .optimizer import OptimizerComponent
 from .state import Component, ModelComponent
+
+logger = logging.getLogger(__name__)
 
 Undo = Callable[[], None]
 
@@ -104,7 +108,18 @@ def _clone(value: Any) -> Any:
     if isinstance(value, DTensor | torch.Tensor):
         if torch_compat.is_uninitialized(value):
             return _Uninitialized(value)
-        return value.detach().clone()
+        try:
+            return value.detach().clone()
+        except torch.OutOfMemoryError:
+            if isinstance(value, DTensor) or value.device.type == "cpu":
+                raise
+            # The device has no room for the copy: it is kept in host memory instead,
+            # and put back from there (slower, one copy to and one from the host).
+            logger.warning(
+                "restore: no room on %s for the undo copy of a %s tensor of %d bytes; kept "
+                "in host memory instead", value.device, tuple(value.shape), value.nbytes,
+            )  # fmt: skip
+            return value.detach().to("cpu")
     if isinstance(value, dict):
         return {k: _clone(v) for k, v in value.items()}
     return value
