@@ -68,6 +68,10 @@ class Checkpointer:
             parameters or optimizer state in place only through these optimizers, or
             call :meth:`wait` first; any other change (found by torch's tensor version
             counters) refuses the save with ``CheckpointError`` (core/background.py).
+            On a GPU the host buffers are pinned, allocated at the first save (about a
+            second per 3 GB): that save first copies the state beside itself on the
+            device where there is room (one more copy there until the host copy is
+            done), so the next step need not wait for the allocation.
             One save is in flight at a time: the next ``save()``, ``restore()`` or
             ``close()`` waits for it and raises its error.
         overwrite: the committed checkpoints already in ``path`` belong to a run this one

@@ -88,6 +88,74 @@ def test_training_right_after_save_does_not_leak_into_the_checkpoint(ckpt_dir, h
     assert fresh.sched.state_dict() == snapshot.sched.state_dict()
 
 
+def test_a_first_save_held_on_the_device_lets_training_go_on_and_stays_exact(
+    ckpt_dir, held_copy, monkeypatch
+):
+    """Issue 27: the first "overlap" save allocated its pinned host buffers while the next
+    optimizer step waited (1.02 s for 3.2 GB on an H200). Now, where buffers are still to
+    be made, the state is first copied beside itself on the device and the step goes on
+    while the host copy is made. Guards the torn checkpoint (the held copy is taken
+    after save() and before any step changes the state) and the step not waiting. Run on
+    the CPU with CPU tensors counted as on a device."""
+    monkeypatch.setattr(staging, "on_device", lambda t: True)
+    p = Problem()
+    for _ in range(3):
+        p.step()
+    at_save = copy.deepcopy(p)
+    ckpt = p.checkpointer(ckpt_dir, async_save="overlap")
+    p.opt.register_step_post_hook(lambda *a: held_copy["log"].append("step"))
+    ckpt.save(3)
+    assert held_copy["started"].wait(30)  # the host copy is held back; the hold is done
+    p.step()  # does not wait for the host copy
+    assert held_copy["log"] == ["copy started", "step"]
+    held_copy["release"].set()
+    ckpt.wait()
+    assert held_copy["log"] == ["copy started", "step", "copy done"]
+    fresh = Problem(seed=4)
+    fresh.checkpointer(ckpt_dir).restore()
+    assert_same_training_state(at_save, fresh)
+
+    # The buffers exist now: the next save copies into them, and the step waits for it.
+    held_copy["release"].clear()
+    held_copy["started"].clear()
+    held_copy["log"].clear()
+    at_save = copy.deepcopy(p)
+    ckpt.save(4)
+    assert held_copy["started"].wait(30)
+    _release_soon(held_copy)
+    p.step()
+    assert held_copy["log"] == ["copy started", "copy done", "step"]
+    ckpt.close()
+    fresh = Problem(seed=5)
+    fresh.checkpointer(ckpt_dir).restore()
+    assert_same_training_state(at_save, fresh)
+
+
+def test_no_room_on_the_device_for_the_hold_falls_back_to_waiting(ckpt_dir, held_copy, monkeypatch):
+    """Without room on the device for the held copy, the first save copies straight into
+    new host buffers and the next step waits for that copy, as before: still exact."""
+    monkeypatch.setattr(staging, "on_device", lambda t: True)
+
+    def no_room(part):
+        raise torch.OutOfMemoryError("no room (test)")
+
+    monkeypatch.setattr(staging, "device_copy", no_room)
+    p = Problem()
+    p.step()
+    at_save = copy.deepcopy(p)
+    ckpt = p.checkpointer(ckpt_dir, async_save="overlap")
+    p.opt.register_step_post_hook(lambda *a: held_copy["log"].append("step"))
+    ckpt.save(1)
+    assert held_copy["started"].wait(30)
+    _release_soon(held_copy)
+    p.step()
+    assert held_copy["log"] == ["copy started", "copy done", "step"]
+    ckpt.close()
+    fresh = Problem(seed=4)
+    fresh.checkpointer(ckpt_dir).restore()
+    assert_same_training_state(at_save, fresh)
+
+
 class TwoOptimizers:
     """One model, two optimizers (AdamW on the first layer, SGD with momentum on the
     second), a BatchNorm whose statistics the forward pass changes."""

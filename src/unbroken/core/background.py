@@ -8,7 +8,10 @@ change (buffers such as BatchNorm statistics, the scheduler, the data position, 
 ``extra``; small), then returns. The parameters and the optimizer state, nearly all the
 bytes, are copied on the background thread while the next forward and backward run;
 every optimizer's step waits for that copy, the first moment they would change. Then the
-write goes on in the background as with ``True``.
+write goes on in the background as with ``True``. Where the host buffers are still to be
+made (the first save; pinned memory on a GPU takes about a second per 3 GB to allocate),
+the state is first copied beside itself on the device, which takes milliseconds, and the
+step waits only for that (``StagingBuffers.hold_on_device``; no room: as before).
 
 Every optimizer, not only those the Checkpointer holds: a second optimizer (a part of
 the model trained apart, a GAN's other half) may step the saved parameters too, and its
@@ -252,10 +255,16 @@ class BackgroundSaver:
     def _run(self, staged: Staged, job: _Copy | None, finish: Callable[[Staged], None]) -> None:
         def copy_and_judge() -> None:
             assert job is not None
+            held = None
             try:
-                staged.flat.update(self.buffers.copy(staged.deferred, after=job.after))
+                held = self.buffers.hold_on_device(staged.deferred, after=job.after)
+                if held is None:
+                    staged.flat.update(self.buffers.copy(staged.deferred, after=job.after))
             finally:
-                job.copied.set()
+                job.copied.set()  # with a hold, training goes on while buffers are made
+            if held is not None:
+                staged.flat.update(self.buffers.copy(held))
+                del held
             staged.deferred = {}
             job.await_verdict()
             if job.changed:
