@@ -159,7 +159,10 @@ class ShardReader(StorageReader):
                 else:
                     chunk = cache.get(req.storage_index)
                     if chunk is None:
-                        chunk = self._read_chunk(req.storage_index, files, opened)
+                        # A device target's chunk is read onto its device (through the
+                        # ring) and cut there: no pageable copy, no blocking transfer.
+                        on = target.device if host_ring.through_ring(target) else None
+                        chunk = self._read_chunk(req.storage_index, files, opened, device=on)
                         cache[req.storage_index] = chunk
                     piece = chunk
                     for dim, (start, length) in enumerate(
@@ -271,12 +274,14 @@ class ShardReader(StorageReader):
         files: contextlib.ExitStack,
         opened: dict[str, Any],
         into: torch.Tensor | None = None,
+        device: torch.device | None = None,
     ) -> torch.Tensor:
-        """Read one chunk (into ``into`` if given) and verify its checksum."""
+        """Read one chunk (into ``into`` if given, else into new memory on ``device``,
+        the host by default) and verify its checksum."""
         loc = self._location(index)
         sizes = self._chunk_sizes(index)
         dtype = self.metadata.state_dict_metadata[index.fqn].properties.dtype
-        out = into if into is not None else torch.empty(sizes, dtype=dtype)
+        out = into if into is not None else torch.empty(sizes, dtype=dtype, device=device)
         expected = out.numel() * out.element_size()
         path = self.directory / loc.file
         if loc.length != expected:
