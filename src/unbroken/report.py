@@ -22,7 +22,8 @@ class RestoreReport:
         verified: every restored tensor matched its saved fingerprint (and the probe).
         saved_world_size: world size at save time (None on a fresh start).
         world_size: world size now.
-        resharded: the state was redistributed to a different world size.
+        resharded: the state was redistributed: another world size, or tensors cut
+            otherwise than at save (another mesh or sharding on the same world size).
         warnings: things worth a look that did not stop the restore.
         searched: the folder the restore looked in.
         found: on a fresh start, what it found there (does not exist, empty, another

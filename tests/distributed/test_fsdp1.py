@@ -155,7 +155,10 @@ def test_two_ranks_restore_then_step_matches_uninterrupted(saved, on_two, case):
     _, states = saved
     source = ON_TWO[case][0]
     result = on_two[case]
-    assert result["report"].verified and not result["report"].resharded
+    assert result["report"].verified
+    # NO_SHARD holds whole tensors where the save held halves: another layout on the same
+    # world size, which the report says; the others cut every tensor as it was saved.
+    assert result["report"].resharded == (case == "no_shard")
     assert result["report"].components["optimizer"] == "restored"
     models.assert_same_full_state(result["restored"], states[source]["want"])
     models.assert_same_full_state(result["stepped"], states[source]["ref"])

@@ -43,7 +43,8 @@ def test_ddp_checkpoint_restores_into_fsdp2_and_into_a_plain_model(tmp_path):
     path = str(tmp_path / "ckpt")
     want = launcher.run(_save_ddp, 2, path)[0]
     got = launcher.run(_restore_fsdp, 2, path)
-    assert all(r["report"].verified and not r["report"].resharded for r in got)
+    # Whole tensors saved, halves restored: another layout on the same world size.
+    assert all(r["report"].verified and r["report"].resharded for r in got)
     full = got[0]["full"]
     for k, t in want["model"].items():
         assert torch.equal(full["model"][k], t), k

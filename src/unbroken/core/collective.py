@@ -167,6 +167,18 @@ def agree_summing(fn: Callable[[], T], values: list[int]) -> tuple[T | None, lis
     return result, [((hi << 32) + lo) & _U64 for hi, lo in zip(sums[::2], sums[1::2], strict=True)]
 
 
+def least(values: list[int]) -> list[int]:
+    """The smallest of each of ``values`` (non-negative, below 2**62, the same length on
+    every rank) over the ranks: one all-reduce of a small tensor."""
+    if not active():
+        return list(values)
+    box = torch.tensor(values, dtype=torch.int64)
+    if dist.get_backend(group()) == "nccl":
+        box = box.cuda()
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group())
+    return box.tolist()
+
+
 def agree_all(fn: Callable[[], T]) -> list[T]:
     """Run ``fn`` on every rank and return every rank's result, in rank order, on every
     rank; if it raised anywhere, raise on every rank as :func:`agree` does."""

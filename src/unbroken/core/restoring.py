@@ -90,6 +90,7 @@ class Loaded:
     fingerprints: verify.LoadedFingerprints
     read_whole: dict[str, ChunkLocation]  # key -> the chunk read straight into its target
     undo: list[snapshot.Undo]  # in the order of Plan.active
+    recut: bool = False  # a tensor cut otherwise than at save, on some rank
 
 
 def restore(
@@ -111,6 +112,9 @@ def restore(
         verify_live(plan, targets, loaded, doc, request)
     if request.probe_fn is not None and not doc.get("probe"):
         plan.warnings.append("a probe was given but the checkpoint recorded none; not checked")
+    resharded = plan.saved_world != plan.world or loaded.recut
+    if resharded:
+        plan.warnings.append(_RESHARDED)
     if collective.rank() == 0:
         logger.info(
             "restored step %d from %s in %.2fs", doc["step"], folder, time.perf_counter() - started
@@ -123,9 +127,16 @@ def restore(
         verified=True,
         saved_world_size=plan.saved_world,
         world_size=plan.world,
-        resharded=plan.saved_world != plan.world,
+        resharded=resharded,
         warnings=plan.warnings,
     )
+
+
+_RESHARDED = (
+    "resharded: the state was saved in another layout (world size or sharding) and is "
+    "restored bit for bit; losses after it may still differ from an uninterrupted run in "
+    "their last bits, since gradients and norms are now reduced in another order"
+)
 
 
 # -- plan ---------------------------------------------------------------------------------
@@ -279,11 +290,13 @@ def read_and_check(folder: Location, doc: dict[str, Any], plan: Plan, targets: T
         states = {c.name: _decode(folder, c.name, targets) for c in plan.active}
         return states, targets.snapshot.collect()  # nothing live has changed up to here
 
-    done, sums = collective.agree_summing(checked, [sharded.get(k, 0) for k in keys])
+    terms = [*loaded.terms(keys, sharded), int(reader.recut)]
+    done, sums = collective.agree_summing(checked, terms)
+    recut = sums.pop() > 0  # on any rank
     _raise_corrupt(loaded.check_sharded(doc["tensors"], dict(zip(keys, sums, strict=True))), folder)
     assert done is not None
     states, undo = done
-    return Loaded(states, loaded, reader.read_whole, undo)
+    return Loaded(states, loaded, reader.read_whole, undo, recut)
 
 
 def _decode(folder: Location, name: str, targets: Targets) -> Any:

@@ -2,8 +2,16 @@
 tensors against the manifest, the live objects against what was loaded.
 
 Whole (unsharded) tensors are fingerprinted where they live; a ``DTensor`` contributes
-the partial sum of its local shard, once per distinct shard (replicas skip), and the
-partials of all ranks add up to the fingerprint of the logical tensor.
+the partial sum of its local shard, once per distinct shard, and the partials add up to
+the fingerprint of the logical tensor. Each value counts once:
+
+- within its mesh, a shard replicated along a mesh dimension counts only at coordinate 0
+  of that dimension (:func:`counted_here`);
+- a DTensor on a sub-mesh (the "dp" mesh of a ("dp", "tp") world, an FSDP2 module's mesh
+  beside tensor parallelism) has one instance of that mesh per coordinate of the other
+  dimensions, each holding the whole tensor: only the instance holding the lowest global
+  rank among those that hold the tensor counts (:func:`instance`, chosen in the round
+  that adds up the partials at save, in one small all-reduce at restore).
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import CheckpointError, StateMismatchError
 from ..format import bitwise, fingerprint, layout, shards, tree
@@ -23,60 +32,85 @@ from ..live.state import Component, live_tensors
 from . import collective
 
 
-def local_partial(t: torch.Tensor, algorithm: str) -> int | None:
-    """This rank's share of ``t``'s fingerprint; None where another rank counts it."""
-    return held_partial(t, algorithm) if _counted_here(t) else None
-
-
-def held_partial(t: torch.Tensor, algorithm: str) -> int | None:
+def held_partial(t: torch.Tensor, algorithm: str, key: str = "") -> int | None:
     """The share of ``t``'s fingerprint of the values this rank holds, whether or not this
     rank is the one that counts them (a replica's too); None if it holds none."""
     if not isinstance(t, DTensor):
         return fingerprint.partial(t, t.shape, [0] * t.dim(), algorithm)
     if t.device_mesh.get_coordinate() is None:
         return None
+    local = t.to_local()
     (chunk,) = t.__create_chunk_list__()
-    return fingerprint.partial(t.to_local(), t.shape, list(chunk.offsets), algorithm)
+    if tuple(chunk.sizes) != tuple(local.shape):  # torch's own invariant; checked, not assumed
+        raise CheckpointError(
+            f"tensor {key!r}: its local shard {tuple(local.shape)} is not one block of the "
+            f"global tensor (placements {t.placements}); it cannot be checkpointed"
+        )
+    return fingerprint.partial(local, t.shape, list(chunk.offsets), algorithm)
 
 
-def _counted_here(t: torch.Tensor) -> bool:
-    """Whether this rank's values of ``t`` count in its fingerprint (a replica's do not)."""
+def counted_here(t: torch.Tensor, key: str = "") -> bool:
+    """Whether this rank's values of ``t`` count in its fingerprint within its mesh: a
+    replica's (a coordinate other than 0 along a ``Replicate`` dimension) do not."""
     if not isinstance(t, DTensor):
         return True
     coord = t.device_mesh.get_coordinate()
     if coord is None:
         return False
     for dim, placement in enumerate(t.placements):
-        if not isinstance(placement, Replicate | Shard):
+        # _StridedShard: FSDP2 over tensor parallelism (a TP shard sharded again on the
+        # same dim); each rank's values are still one block (``held_partial`` checks).
+        if not isinstance(placement, Replicate | Shard | _StridedShard):
             raise CheckpointError(
-                f"a DTensor with placement {placement} cannot be checkpointed; "
-                "reduce it to Shard or Replicate first"
+                f"tensor {key!r} is a DTensor with placement {placement} (placements "
+                f"{t.placements}), which cannot be checkpointed: reduce it to Shard or "
+                "Replicate first (a Partial is a sum not yet taken: redistribute it)"
             )
         if isinstance(placement, Replicate) and coord[dim] != 0:
             return False
     return True
 
 
+def instance(t: torch.Tensor) -> int | None:
+    """The lowest global rank of the mesh holding ``t`` on this rank (which of a sub-mesh's
+    instances this is); None for a tensor that is not a DTensor, or no mesh here."""
+    if not isinstance(t, DTensor) or t.device_mesh.get_coordinate() is None:
+        return None
+    return int(t.device_mesh.mesh.min())
+
+
 def partials(
     tensors: Mapping[str, torch.Tensor], whole_here: Iterable[str], algorithm: str
-) -> dict[str, int]:
-    """Local partial sums: sharded tensors everywhere, whole ones only if listed."""
+) -> dict[str, tuple[int, int | None]]:
+    """Local partial sums, each with the instance of its mesh (:func:`instance`):
+    sharded tensors where this rank counts them within their mesh, whole ones only if
+    listed."""
     whole = set(whole_here)
     out = {}
     for key, t in tensors.items():
-        if isinstance(t, DTensor) or key in whole:
-            p = local_partial(t, algorithm)
+        if isinstance(t, DTensor) and counted_here(t, key):
+            p = held_partial(t, algorithm, key)
             if p is not None:
-                out[key] = p
+                out[key] = (p, instance(t))
+        elif key in whole and not isinstance(t, DTensor):
+            out[key] = (fingerprint.partial(t, t.shape, [0] * t.dim(), algorithm), None)
     return out
 
 
-def combine(per_rank: list[dict[str, int]]) -> dict[str, str]:
-    """Fingerprints from every rank's partials."""
+def combine(per_rank: list[dict[str, tuple[int, int | None]]]) -> dict[str, str]:
+    """Fingerprints from every rank's :func:`partials`: for each tensor, the partials of
+    the instance of its mesh holding the lowest rank (a plain tensor's, from the one rank
+    that wrote it)."""
+    first: dict[str, int] = {}
+    for rank_partials in per_rank:
+        for key, (_, where) in rank_partials.items():
+            if where is not None:
+                first[key] = min(first.get(key, where), where)
     sums: dict[str, list[int]] = {}
     for rank_partials in per_rank:
-        for key, p in rank_partials.items():
-            sums.setdefault(key, []).append(p)
+        for key, (p, where) in rank_partials.items():
+            if where is None or where == first[key]:
+                sums.setdefault(key, []).append(p)
     return {key: fingerprint.combine(ps) for key, ps in sums.items()}
 
 
@@ -98,7 +132,8 @@ class LoadedFingerprints:
 
     def loaded(self, key: str) -> None:
         if key in self._targets and key not in self._futures:
-            self._futures[key] = self._pool.submit(held_partial, self._targets[key], self.algorithm)
+            target = self._targets[key]
+            self._futures[key] = self._pool.submit(held_partial, target, self.algorithm, key)
 
     def abandon(self) -> None:
         """Stop fingerprinting (the read failed): drop what has not started."""
@@ -108,13 +143,15 @@ class LoadedFingerprints:
         """Compare with the manifest's fingerprints (collective); return problems."""
         problems, sharded = self.check_local(entries)
         keys = list(entries)  # the manifest's: the same list on every rank
-        _, sums = collective.agree_summing(lambda: None, [sharded.get(k, 0) for k in keys])
+        _, sums = collective.agree_summing(lambda: None, self.terms(keys, sharded))
         return problems + self.check_sharded(entries, dict(zip(keys, sums, strict=True)))
 
-    def check_local(self, entries: Mapping[str, dict[str, Any]]) -> tuple[list[str], dict]:
+    def check_local(
+        self, entries: Mapping[str, dict[str, Any]]
+    ) -> tuple[list[str], dict[str, tuple[int, int]]]:
         """Wait for every fingerprint; compare whole tensors' with the manifest. Returns
-        their problems and this rank's partials of sharded tensors, for
-        :meth:`check_sharded` once every rank's are added up (no collective here)."""
+        their problems and this rank's partials of sharded tensors with their mesh's
+        instance, for :meth:`terms` (no collective here)."""
         try:
             for key in self._targets:
                 self.loaded(key)
@@ -123,20 +160,34 @@ class LoadedFingerprints:
             mine = {}
             for key, f in reversed(self._futures.items()):
                 if f.cancel():
-                    mine[key] = held_partial(self._targets[key], self.algorithm)
+                    mine[key] = held_partial(self._targets[key], self.algorithm, key)
             done = {k: mine[k] if k in mine else f.result() for k, f in self._futures.items()}
         finally:
             self._pool.shutdown(wait=True)
         self.partials = done
         problems = []
-        sharded: dict[str, int] = {}
+        sharded: dict[str, tuple[int, int]] = {}
         for key, p in done.items():
-            if isinstance(self._targets[key], DTensor):
-                if p is not None and _counted_here(self._targets[key]):
-                    sharded[key] = p
+            t = self._targets[key]
+            if isinstance(t, DTensor):
+                where = instance(t)
+                if p is not None and where is not None and counted_here(t, key):
+                    sharded[key] = (p, where)
             elif fingerprint.combine([p or 0]) != entries[key]["fingerprint"]:
                 problems.append(f"{key}: the loaded value does not match its saved fingerprint")
         return problems, sharded
+
+    @staticmethod
+    def terms(keys: list[str], sharded: Mapping[str, tuple[int, int]]) -> list[int]:
+        """This rank's term of each of ``keys``' sums (``keys``: the same list on every
+        rank): its partial where its mesh instance is the one that counts, the one holding
+        the lowest rank (agreed in one small all-reduce; collective), else 0."""
+        nobody = 1 << 61
+        first = collective.least([sharded[k][1] if k in sharded else nobody for k in keys])
+        return [
+            sharded[k][0] if k in sharded and sharded[k][1] == f else 0
+            for k, f in zip(keys, first, strict=True)
+        ]
 
     def check_sharded(
         self, entries: Mapping[str, dict[str, Any]], sums: Mapping[str, int]
@@ -208,7 +259,7 @@ def compare_exchanged(
             same = shards.checksum(shards.tensor_bytes(local)) == chunk.checksum
         else:
             expected = loaded.get(key)
-            same = expected is None or held_partial(live[key], algorithm) == expected
+            same = expected is None or held_partial(live[key], algorithm, key) == expected
         if not same:
             problems.append(f"{key}: the live value differs from the loaded one after restore")
     return problems

@@ -102,6 +102,9 @@ class ShardReader(StorageReader):
         # Target (FQN) -> the one chunk read straight into it, whose checksum is therefore
         # the xxh3-128 of the target's bytes (set by read_data).
         self.read_whole: dict[str, ChunkLocation] = {}
+        # Whether some tensor is cut here otherwise than at save (assembled from parts of
+        # saved chunks): the layout changed, whatever the world size.
+        self.recut = False
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass
@@ -178,6 +181,7 @@ class ShardReader(StorageReader):
                     uses[req.storage_index] -= 1
                     if uses[req.storage_index] == 0:
                         cache.pop(req.storage_index, None)
+                self.recut = self.recut or not self._same_cut(req, planner)
                 planner.commit_tensor(req, target)
                 remaining[req.dest_index.fqn] -= 1
                 if remaining[req.dest_index.fqn] == 0 and self.on_loaded is not None:
@@ -255,6 +259,17 @@ class ShardReader(StorageReader):
     def _chunk_sizes(self, index: MetadataIndex) -> torch.Size:
         meta = self.metadata.state_dict_metadata[index.fqn]
         return next(c.sizes for c in meta.chunks if c.offsets == index.offset)
+
+    def _same_cut(self, req: Any, planner: LoadPlanner) -> bool:
+        """Whether ``req`` reads one whole saved chunk into a whole load target of its
+        shape (the tensor is cut here as it was at save)."""
+        sizes = tuple(self._chunk_sizes(req.storage_index))
+        whole_target = planner.lookup_tensor(req.dest_index)  # not narrowed to the read
+        return (
+            all(o == 0 for o in req.storage_offsets)
+            and tuple(req.lengths) == sizes
+            and tuple(whole_target.shape) == sizes
+        )
 
     def _fits_whole(self, req: Any, target: torch.Tensor) -> bool:
         sizes = self._chunk_sizes(req.storage_index)

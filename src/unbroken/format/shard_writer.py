@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -90,6 +90,8 @@ class ShardWriter(StorageWriter):
         self.files = max(1, files)
         self.metadata: Metadata | None = None
         self.file_records: list[tuple[str, dict[str, object]]] = []
+        # Told, before the writes start, the whole (not sharded) tensors this rank writes.
+        self.on_plan: Callable[[list[str]], None] | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         pass  # the folder is fixed at construction (saves never pass a checkpoint_id)
@@ -109,6 +111,8 @@ class ShardWriter(StorageWriter):
                 raise TypeError(
                     f"{item.index.fqn}: only tensors go to shard files (a bug in unbroken)"
                 )
+        if self.on_plan is not None:
+            self.on_plan([i.index.fqn for i in plan.items if i.type == WriteItemType.TENSOR])
         groups = [plan.items] if self.directory.remote else _split(plan.items, self.files)
         if len(groups) == 1:
             results = self._write_file(self.name, groups[0], planner)
