@@ -91,15 +91,19 @@ def stage(
     rank = collective.rank()
     captured: dict[str, Any] = {}
 
-    def capture() -> dict[str, str]:
-        digests = {}
+    def capture() -> tuple[dict[str, str], dict[str, str]]:
+        digests, names = {}, {}
         for c in request.components:
             captured[c.name] = c.capture()
             if isinstance(c, StatefulComponent) and not c.per_rank:
                 digests[c.name] = _digest(captured[c.name], c.name)
-        return digests
+            elif isinstance(c, ModelComponent):
+                names[c.name] = _names_digest(captured[c.name])
+        return digests, names
 
-    digests = collective.agree_all(capture)
+    gathered = collective.agree_all(capture)
+    _refuse_rank_dependent_models([names for _, names in gathered])
+    digests = [d for d, _ in gathered]
     differ = {name for name in digests[0] if len({d[name] for d in digests}) > 1}
     per_rank = {c.name for c in request.components if c.per_rank or c.name in differ}
     if rank == 0:
@@ -131,6 +135,30 @@ def stage(
     staged = collective.agree(encode)
     assert staged is not None
     return staged
+
+
+def _names_digest(state: Any) -> str:
+    """xxh3-128 of the names a model's state holds (its FQNs, nested by model name)."""
+
+    def names(value: Any) -> Any:
+        return {k: names(v) for k, v in value.items()} if isinstance(value, dict) else None
+
+    return xxhash.xxh3_128_hexdigest(json.dumps(names(state), sort_keys=True).encode())
+
+
+def _refuse_rank_dependent_models(per_rank: list[dict[str, str]]) -> None:
+    """Refuse, on every rank alike, a model whose parameters and buffers are not the same
+    names on every rank: pipeline stages, each rank holding other modules. One manifest
+    entry per model holds one rank's names, so the others' state would be lost."""
+    for name in per_rank[0]:
+        ranks = [r for r, names in enumerate(per_rank) if names[name] != per_rank[0][name]]
+        if ranks:
+            raise CheckpointError(
+                f"component {name!r} holds other parameter and buffer names on rank "
+                f"{ranks[0]} than on rank 0 (pipeline parallelism: each stage holds other "
+                "modules?). unbroken saves a model whose state has the same names on every "
+                "rank (sharded or replicated), not pipeline stages yet; nothing was written"
+            )
 
 
 def _capture_info(t: torch.Tensor) -> dict[str, Any]:
@@ -204,21 +232,23 @@ def write(ckdir: CheckpointDir, staged: Staged) -> Location:
 
 def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -> Location:
     request, flat = staged.request, staged.flat
-    per_rank_keys = {
-        k for name in staged.per_rank for k in tree.tensor_keys(staged.skeletons[name])
-    }
-    whole_here = per_rank_keys | (
-        {k for k, t in flat.items() if not isinstance(t, DTensor)} if rank == 0 else set()
-    )
     writer = ShardWriter(partial, rank=rank, name=ckdir.shard_name(partial, rank),
                          files=write_files())  # fmt: skip
     settle(flat)
     # Fingerprints are computed while DCP writes: file I/O and torch kernels both
     # release the GIL, so the two overlap on separate cores (on a GPU, the fingerprints
     # run on the device and the writes copy through pinned buffers: format/host_ring.py).
+    # A sharded tensor's share on every rank that counts it; a whole one on the rank that
+    # writes it (DCP picks one rank per tensor: with pipeline stages, not always rank 0).
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="unbroken-fp") as pool:
         algorithm = fingerprint.ALGORITHM  # one for every tensor, recorded in the manifest
-        partials = pool.submit(verify.partials, flat, whole_here, algorithm)
+        sharded = {k: t for k, t in flat.items() if isinstance(t, DTensor)}
+        jobs = [pool.submit(verify.partials, sharded, (), algorithm)]
+
+        def written_here(keys: list[str]) -> None:
+            jobs.append(pool.submit(verify.partials, {k: flat[k] for k in keys}, keys, algorithm))
+
+        writer.on_plan = written_here
         try:
             with quiet_single_process():
                 dcp.save(
@@ -231,7 +261,7 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
         except CheckpointException as exc:
             raise unwrap(exc, f"saving step {request.step} into {partial}", partial) from None
         local = {
-            "partials": partials.result(),
+            "partials": {k: v for job in jobs for k, v in job.result().items()},
             "fingerprint_algorithm": algorithm,
             "info": staged.info,
             "skeletons": {name: staged.skeletons[name] for name in staged.per_rank},
