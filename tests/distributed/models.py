@@ -53,12 +53,15 @@ def build_fsdp1(
     checkpointing: bool = False,
     bf16: bool = False,
     sharding: str = "FULL_SHARD",
+    hybrid: str | None = None,
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
     """FSDP1 on the default process group (CPU, gloo). ``policy``: ``"block"`` wraps each
     Block, ``"size"`` wraps by size (each ``fc`` alone), ``"none"`` only the root;
     ``checkpointing`` adds activation checkpointing to each Block after wrapping; ``bf16``
     computes in bf16 over fp32 master parameters (``MixedPrecision``); ``sharding`` names
-    the ShardingStrategy."""
+    the ShardingStrategy. ``hybrid`` (with a hybrid ``sharding``) lays the ranks out as
+    (replicas, 2): ``"mesh"`` gives FSDP a 2-D device mesh, ``"groups"`` the process
+    groups of :func:`hybrid_groups`."""
     import functools
 
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -71,6 +74,14 @@ def build_fsdp1(
         "size": functools.partial(size_based_auto_wrap_policy, min_num_params=100),
         "none": None,
     }[policy]
+    layout: dict = {}
+    if hybrid == "mesh":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = torch.distributed.get_world_size()
+        layout["device_mesh"] = init_device_mesh("cpu", (world // 2, 2))
+    elif hybrid == "groups":
+        layout["process_group"] = hybrid_groups(2)
     model = FSDP(
         Net(),
         auto_wrap_policy=wrap,
@@ -78,6 +89,7 @@ def build_fsdp1(
         use_orig_params=use_orig_params,
         mixed_precision=MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None,
         sharding_strategy=ShardingStrategy[sharding],
+        **layout,
     )
     if checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -87,6 +99,21 @@ def build_fsdp1(
         apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     return model, opt
+
+
+def hybrid_groups(shard_size: int) -> tuple:
+    """FSDP1 hybrid sharding's ``(intra, inter)`` process groups of this rank: ranks
+    sharded in consecutive groups of ``shard_size``, replicated across groups (collective:
+    every rank creates every group, in the same order)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    replicas = world // shard_size
+    intra = [
+        dist.new_group(list(range(i * shard_size, (i + 1) * shard_size))) for i in range(replicas)
+    ]
+    inter = [dist.new_group(list(range(j, world, shard_size))) for j in range(shard_size)]
+    return intra[rank // shard_size], inter[rank % shard_size]
 
 
 def train_steps(model, opt, steps: int, *, rank: int = 0, start: int = 0) -> list[float]:

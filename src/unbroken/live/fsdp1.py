@@ -6,6 +6,13 @@ what the rest of the library saves, fingerprints and reshards, so an FSDP1 check
 restores into FSDP1 on another world size or wrapping, into FSDP2, or into a plain model,
 and back.
 
+Hybrid sharding (``HYBRID_SHARD``, ``_HYBRID_SHARD_ZERO2``: sharded within a group of
+ranks, replicated across groups) saves the same FQN-keyed state. Given a 2-D
+``device_mesh`` (replicate, shard), FSDP1 makes DTensors on it placed ``(Replicate(),
+Shard(0))``; given ``process_group=(intra, inter)``, DTensors on a 1-D mesh over the shard
+group, placed ``(Shard(0),)``: one instance of that mesh per replica, each holding the whole
+tensor (counted once by the fingerprints, written once by DCP's de-duplication).
+
 Optimizer state goes through FSDP's own conversion (``FSDP.optim_state_dict`` and
 ``FSDP.optim_state_dict_to_load``): flat-parameter state (``use_orig_params=False``) and
 each rank's slices of original parameters (``use_orig_params=True``) become whole
@@ -30,14 +37,14 @@ from torch.distributed.fsdp import (
     ShardingStrategy,
     StateDictType,
 )
-from torch.distributed.tensor import Shard
 from torch.distributed.tensor import empty as dtensor_empty
 
 from ..errors import CheckpointError, StateMismatchError
 from ..format.manifest import DTYPES
 from . import torch_compat
 
-_SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+_SHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP, *_HYBRID)
 # FSDP1 warns on every state-dict call about its own use of deprecated torch internals.
 _NOISE = ("FSDP.state_dict_type", "`_get_pg_default_device`", "Multiple backends are registered")
 
@@ -50,8 +57,8 @@ def is_fsdp1(model: nn.Module, what: str = "model") -> bool:
     their state is a plain model's.
 
     Raises:
-        ValueError: naming what is not supported: the hybrid strategies, ``NO_SHARD``
-            with flat parameters, ``NO_SHARD`` mixed with sharded modules.
+        ValueError: naming what is not supported: ``NO_SHARD`` with flat parameters,
+            ``NO_SHARD`` mixed with sharded modules.
     """
     found = FSDP.fsdp_modules(model)
     strategies = {module.sharding_strategy for module in found}
@@ -71,10 +78,10 @@ def is_fsdp1(model: nn.Module, what: str = "model") -> bool:
         }
     )
     raise ValueError(
-        f"{what}: FSDP1 with {' and '.join(kinds)} is not supported. Supported: FULL_SHARD "
-        "or SHARD_GRAD_OP, and NO_SHARD with use_orig_params=True (FSDP1 switches to "
-        "NO_SHARD by itself on a world size of 1); else use FSDP2 fully_shard or the "
-        "unwrapped model"
+        f"{what}: FSDP1 with {' and '.join(kinds)} is not supported. Supported: FULL_SHARD, "
+        "SHARD_GRAD_OP, HYBRID_SHARD or _HYBRID_SHARD_ZERO2, and NO_SHARD with "
+        "use_orig_params=True (FSDP1 switches to NO_SHARD by itself on a world size of 1); "
+        "else use FSDP2 fully_shard or the unwrapped model"
     )
 
 
@@ -182,12 +189,14 @@ class FSDP1Optimizer:
 
     def target(self, entry: dict[str, Any], original: torch_compat.Original) -> torch.Tensor:
         """An empty DTensor to load saved state of ``original``'s shape into: sharded on
-        dim 0 as FSDP shards it (every state tensor of one or more dimensions)."""
+        dim 0 as FSDP shards it (every state tensor of one or more dimensions), replicated
+        across the replica groups of hybrid sharding."""
+        mesh = torch_compat.fsdp1_mesh(original.fsdp)
         return dtensor_empty(
             entry["shape"],
             dtype=DTYPES[entry["dtype"]],
-            device_mesh=torch_compat.fsdp1_mesh(original.fsdp),
-            placements=[Shard(0)],
+            device_mesh=mesh,
+            placements=torch_compat.fsdp1_placements(mesh),
         )
 
     def install(self, saved: dict[str, Any]) -> None:
@@ -220,5 +229,11 @@ class FSDP1Optimizer:
                     live[k] = v
 
     def _group(self) -> Any:
-        """The process group the model is sharded over (FSDP's collectives on state keys)."""
-        return FSDP.fsdp_modules(self.model)[0].process_group
+        """The process group of FSDP's collectives on state keys: the one the model is
+        sharded over, or under hybrid sharding every rank (None: the default group).
+        FSDP broadcasts the keys from global rank 0, which only one shard group holds, and
+        every replica holds the same keys."""
+        modules = FSDP.fsdp_modules(self.model)
+        if any(m.sharding_strategy in _HYBRID for m in modules):
+            return None
+        return modules[0].process_group

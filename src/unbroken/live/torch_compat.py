@@ -2,7 +2,8 @@
 
 Each function below reads or sets something torch does not promise to keep (a leading
 underscore, or where torch defines its own hooks). ``tests/distributed/test_fsdp1.py``
-(and, for FSDP2's hooks, ``test_exchange_distributed.py``) checks each behaviour on every
+(for hybrid sharding, ``test_fsdp1_hybrid.py``; for FSDP2's hooks,
+``test_exchange_distributed.py``) checks each behaviour on every
 torch version CI runs, so a change in torch fails there, by name, instead of writing or
 restoring a wrong checkpoint.
 
@@ -18,9 +19,10 @@ restoring a wrong checkpoint.
   (``FlatParameter._fqns``, ``_shapes``, ``_param_infos``, through FSDP's own
   ``_get_fqn_to_fsdp_param_info``, so the FQNs are the ones FSDP keys optimizer state by).
 - :func:`fsdp1_uses_orig_params`: an FSDP1 module's ``use_orig_params`` (``_use_orig_params``).
-- :func:`fsdp1_dtensor_state` (and :func:`fsdp1_mesh`): FSDP1 gives its sharded state
-  as DTensors, not ShardedTensors, when its modules carry a device mesh (``_device_mesh``;
-  one is built from the module's ``process_group`` and ``compute_device``).
+- :func:`fsdp1_dtensor_state` (and :func:`fsdp1_mesh`, :func:`fsdp1_placements`): FSDP1
+  gives its sharded state as DTensors, not ShardedTensors, when its modules carry a device
+  mesh (``_device_mesh``; one is built from the module's ``process_group`` and
+  ``compute_device``), placed as ``_shard_utils._create_chunk_dtensor`` places them.
 - :func:`unmaterialize`: a lazy module's parameter or buffer that ``load_state_dict``
   materialized made uninitialized again (the undo of a failed restore), inverting what
   ``UninitializedTensorMixin.materialize`` does (new data, then a class switch);
@@ -40,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp._optim_utils import _get_fqn_to_fsdp_param_info
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 
 def normalized_fqns(module: nn.Module, name: str) -> set[str]:
@@ -108,18 +111,28 @@ def fsdp1_uses_orig_params(module: FSDP) -> bool:
 
 
 def fsdp1_mesh(module: FSDP) -> DeviceMesh:
-    """The device mesh FSDP1 builds DTensors on: the one the module was given, or else a
-    one-dimensional mesh over its process group (structurally equal on every call)."""
+    """The device mesh FSDP1 builds DTensors on: the one the module was given (2-D,
+    (replicate, shard), under hybrid sharding), or else a one-dimensional mesh over its
+    process group (structurally equal on every call). Under hybrid sharding given
+    ``process_group=(intra, inter)`` that is the shard group: one such mesh per replica."""
     mesh = module._device_mesh
     if mesh is None:
         mesh = DeviceMesh.from_group(module.process_group, module.compute_device.type)
     return mesh
 
 
+def fsdp1_placements(mesh: DeviceMesh) -> list[Placement]:
+    """How FSDP1 places its sharded state on ``mesh`` (``_create_chunk_dtensor``): dim 0
+    sharded over the last mesh dimension, replicated over any before it (hybrid sharding:
+    ``[Replicate(), Shard(0)]``)."""
+    return [*(Replicate() for _ in range(mesh.ndim - 1)), Shard(0)]
+
+
 @contextlib.contextmanager
 def fsdp1_dtensor_state(model: nn.Module) -> Iterator[None]:
     """Within: the FSDP1 modules of ``model`` give and take sharded state (model and
-    optimizer, ``SHARDED_STATE_DICT``) as DTensors sharded on dim 0, not ShardedTensors.
+    optimizer, ``SHARDED_STATE_DICT``) as DTensors sharded on dim 0, not ShardedTensors
+    (placed as :func:`fsdp1_placements` says).
 
     torch switches to DTensors when a module carries a device mesh; a module built
     without one gets a mesh over its process group for the duration, then none again,
