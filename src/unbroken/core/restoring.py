@@ -37,7 +37,7 @@ from ..errors import (
 from ..format import manifest, tree
 from ..format.shard_reader import ShardReader
 from ..format.shards import ChunkLocation, quiet_single_process
-from ..live import exchange, probe, snapshot
+from ..live import exchange, probe, snapshot, stages
 from ..live.components import component_prefix
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, live_tensors
@@ -219,6 +219,7 @@ def build_targets(folder: Location, doc: dict[str, Any], plan: Plan) -> Targets:
     at install), so nothing live changes while the checkpoint is read, and the undo (a
     copy of a model that is not exchanged) is made meanwhile."""
     rank = collective.rank()
+    unheld: dict[str, list[str]] = {}  # component -> saved names its live part lacks here
 
     def build() -> Targets:
         tensors: dict[str, torch.Tensor] = {}
@@ -228,6 +229,13 @@ def build_targets(folder: Location, doc: dict[str, Any], plan: Plan) -> Targets:
         for c in plan.active:
             entry = doc["components"][c.name]
             skeleton = entry["ranks"][str(rank)] if entry.get("per_rank") else entry["state"]
+            live_skeleton, live = (
+                live_tensors(c, component_prefix(c, rank))
+                if isinstance(c, ModelComponent)
+                else (None, {})
+            )
+            if not entry.get("per_rank"):  # this rank's part: pipeline stages hold parts
+                skeleton, unheld[c.name] = stages.held(c, skeleton, live_skeleton)
             keys = {}
             for key in tree.tensor_keys(skeleton):
                 if key not in doc["tensors"]:
@@ -240,7 +248,6 @@ def build_targets(folder: Location, doc: dict[str, Any], plan: Plan) -> Targets:
             if isinstance(c, OptimizerComponent):
                 c.check_coverage(skeleton)
             if isinstance(c, ModelComponent):
-                live = live_tensors(c, component_prefix(c, rank))[1]
                 mine = c.targets(keys, live)
                 swap = c.exchange_plan(live, mine)
                 if swap is not None:
@@ -251,9 +258,22 @@ def build_targets(folder: Location, doc: dict[str, Any], plan: Plan) -> Targets:
         undos = {name: swap.undo for name, swap in exchanges.items()}
         return Targets(tensors, skeletons, saved, exchanges, snapshot.begin(plan.active, undos))
 
-    targets = collective.agree(build)
+    # ``unheld`` is filled by build() before the round hands it to every rank.
+    targets, every = collective.agree_sharing(build, unheld)
     assert targets is not None
+    _refuse_unheld(plan, every)
     return targets
+
+
+def _refuse_unheld(plan: Plan, every: list[dict[str, list[str]]]) -> None:
+    """Refuse, on every rank alike, saved state that no rank's live objects hold (each
+    rank may hold a part of a model split into pipeline stages)."""
+    for c in plan.active:
+        names = set(every[0].get(c.name, []))
+        for mine in every[1:]:
+            names &= set(mine.get(c.name, []))
+        if names:
+            raise stages.unheld_error(c, sorted(names))
 
 
 # -- read and check -----------------------------------------------------------------------

@@ -27,7 +27,9 @@ from ..errors import CheckpointError
 from ..format import fingerprint, layout, manifest, tree
 from ..format.shard_writer import ShardWriter, write_files
 from ..format.shards import quiet_single_process
+from ..live import stages
 from ..live.components import rank_prefix
+from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, StatefulComponent, device_kind
 from ..storage.interface import CheckpointDir, Location
 from ..storage.posix import free_space
@@ -73,6 +75,8 @@ class Staged:
     # What the save found worth a warning (the manifest's save_warnings), on every rank
     # once committed.
     warnings: list[str] = dataclasses.field(default_factory=list)
+    # Components each rank holds a part of (pipeline stages), merged at commit.
+    partitioned: set[str] = dataclasses.field(default_factory=set)
 
 
 def stage(
@@ -102,7 +106,7 @@ def stage(
         return digests, names
 
     gathered = collective.agree_all(capture)
-    _refuse_rank_dependent_models([names for _, names in gathered])
+    partitioned = _partitioned(request.components, [names for _, names in gathered])
     digests = [d for d, _ in gathered]
     differ = {name for name in digests[0] if len({d[name] for d in digests}) > 1}
     per_rank = {c.name for c in request.components if c.per_rank or c.name in differ}
@@ -130,7 +134,7 @@ def stage(
             deferred = {k: t for k, t in flat.items() if defer is not None and defer(t)}
             flat = {**flat, **buffers.copy({k: t for k, t in flat.items() if k not in deferred})}
             buffers.keep_only(flat)
-        return Staged(request, skeletons, flat, info, per_rank, deferred)
+        return Staged(request, skeletons, flat, info, per_rank, deferred, partitioned=partitioned)
 
     staged = collective.agree(encode)
     assert staged is not None
@@ -146,19 +150,14 @@ def _names_digest(state: Any) -> str:
     return xxhash.xxh3_128_hexdigest(json.dumps(names(state), sort_keys=True).encode())
 
 
-def _refuse_rank_dependent_models(per_rank: list[dict[str, str]]) -> None:
-    """Refuse, on every rank alike, a model whose parameters and buffers are not the same
-    names on every rank: pipeline stages, each rank holding other modules. One manifest
-    entry per model holds one rank's names, so the others' state would be lost."""
-    for name in per_rank[0]:
-        ranks = [r for r, names in enumerate(per_rank) if names[name] != per_rank[0][name]]
-        if ranks:
-            raise CheckpointError(
-                f"component {name!r} holds other parameter and buffer names on rank "
-                f"{ranks[0]} than on rank 0 (pipeline parallelism: each stage holds other "
-                "modules?). unbroken saves a model whose state has the same names on every "
-                "rank (sharded or replicated), not pipeline stages yet; nothing was written"
-            )
+def _partitioned(components: list[Component], per_rank: list[dict[str, str]]) -> set[str]:
+    """The models whose state has other names on some rank (pipeline stages: each rank
+    holds other modules), and the optimizers over them: saved as the ranks' skeletons
+    merged (live/stages.py)."""
+    split = {name for name in per_rank[0] if any(n[name] != per_rank[0][name] for n in per_rank)}
+    return split | {
+        c.name for c in components if isinstance(c, OptimizerComponent) and c.model.name in split
+    }
 
 
 def _capture_info(t: torch.Tensor) -> dict[str, Any]:
@@ -264,7 +263,14 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
             "partials": {k: v for job in jobs for k, v in job.result().items()},
             "fingerprint_algorithm": algorithm,
             "info": staged.info,
-            "skeletons": {name: staged.skeletons[name] for name in staged.per_rank},
+            "skeletons": {
+                name: staged.skeletons[name] for name in staged.per_rank | staged.partitioned
+            },
+            "parameters": {
+                c.name: c.trainable_fqns()
+                for c in request.components
+                if c.name in staged.partitioned and isinstance(c, ModelComponent)
+            },
             "files": writer.file_records,
             "probe": request.probe,
         }
@@ -324,6 +330,10 @@ def _manifest_body(
             entry["parameters"] = c.trainable_fqns()
         if per_rank:
             entry["ranks"] = {str(r): g["skeletons"][c.name] for r, g in enumerate(gathered)}
+        elif c.name in staged.partitioned:  # every stage's part in one skeleton
+            entry["state"] = stages.merge(c, [g["skeletons"][c.name] for g in gathered])
+            if isinstance(c, ModelComponent):
+                entry["parameters"] = sorted({f for g in gathered for f in g["parameters"][c.name]})
         else:
             entry["state"] = staged.skeletons[c.name]
         components[c.name] = entry

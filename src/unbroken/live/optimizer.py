@@ -84,6 +84,10 @@ class OptimizerComponent(Component):
             return fsdp.groups()
         return group_fqns(opt, self._fqns(), self._where(name), "the model passed to Checkpointer")
 
+    def live_fqns(self, name: str | None) -> set[str]:
+        """The FQNs of the parameters optimizer ``name`` holds."""
+        return {f for names in self._group_fqns(name, self.optimizers[name]) for f in names}
+
     def _where(self, name: str | None) -> str:
         return "optimizer" if name is None else f"optimizer[{name!r}]"
 
