@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 import manifest_fuzz as fuzz
 import unbroken as ub
@@ -155,3 +156,25 @@ def test_a_save_readers_would_refuse_as_too_large_is_not_committed(tmp_path):
         ckpt.save(1)
     assert ckpt.steps() == []
     assert [f.name for f in (tmp_path / "run").iterdir() if f.is_dir()] == []
+
+
+def test_a_manifest_too_large_for_its_chunk_entries_says_so(tmp_path, monkeypatch):
+    """At many ranks the chunk table (one entry per piece of a tensor on a rank), not the
+    non-tensor state, outgrows what readers accept (docs/scaling.md: about 16,384 ranks
+    for an 8B model): the refusal names the chunk entries and what to do, not the
+    non-tensor state (it used to say "return large values as tensors")."""
+    from torch import nn
+
+    from unbroken.format import manifest
+
+    monkeypatch.setattr(manifest, "MAX_MANIFEST_BYTES", 20_000)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(60)))
+    opt = torch.optim.AdamW(model.parameters())
+    for q in model.parameters():
+        q.grad = torch.ones_like(q)
+    opt.step()
+    ckpt = ub.Checkpointer(tmp_path / "run", model=model, optimizer=opt)
+    with pytest.raises(ub.CheckpointError, match=r"chunk entries \(one per piece of a tensor on a rank\)") as err:
+        ckpt.save(1)
+    assert "not tensors" not in str(err.value)
+    assert ckpt.steps() == []

@@ -102,10 +102,23 @@ def encode(directory: Location | str | os.PathLike, body: dict[str, Any]) -> byt
     # files this save wrote count (a store's prefix may hold other saves' objects too).
     count, held = _shard_budget(directory, set(body.get("files", {})))
     if len(data) > _size_limit(count, held):
+        tensors = body.get("tensors", {})
+        chunks = sum(len(t.get("chunks", [])) for t in tensors.values())
+        taken = len(json.dumps(tensors, indent=1).encode())
+        if taken > len(data) // 2:  # many tensors, or many ranks each holding pieces
+            why = (
+                f"its table of {len(tensors)} tensors in {chunks} chunk entries (one per "
+                f"piece of a tensor on a rank) takes {taken} bytes: shard each tensor over "
+                "fewer ranks (HSDP's shard groups) or save fewer, larger tensors"
+            )
+        else:
+            why = (
+                "the state holds too much that is not tensors; return large values as "
+                "tensors from state_dict()"
+            )
         raise CheckpointError(
             f"{path} would be {len(data)} bytes, more than readers accept beside {count} "
-            f"shard file(s) of {held} bytes ({_size_limit(count, held)}): the state holds too "
-            "much that is not tensors; return large values as tensors from state_dict()"
+            f"shard file(s) of {held} bytes ({_size_limit(count, held)}): {why}"
         )
     return data
 
