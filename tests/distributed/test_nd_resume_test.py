@@ -1,7 +1,8 @@
 """``unbroken resume-test`` under torchrun for the layouts beyond one dimension (issue 28):
-FSDP2 + tensor parallel and FSDP2 + expert parallel on (2, 2), stopped and resumed in
-the same layout: every tracked loss after the stop and the final state's fingerprints
-identical (DESIGN.md F1-F5 seen from the outside, on a learnable task)."""
+FSDP2 + tensor parallel, FSDP2 + expert parallel and FSDP2 HSDP on (2, 2), and four
+pipeline stages, stopped and resumed in the same layout: every tracked loss after the
+stop and the final state's fingerprints identical (DESIGN.md F1-F5 seen from the
+outside, on a learnable task)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("layout", ["tp", "ep"])
+@pytest.mark.parametrize("layout", ["tp", "ep", "hsdp", "pp"])
 def test_resume_test_is_identical_under_torchrun(tmp_path, layout):
     from unbroken.testing import resume_test
 
