@@ -32,6 +32,7 @@ from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from ..errors import CheckpointError, CheckpointNotFoundError
 from ..tools.reporting import jsonable
+from ._safe import SafeConsole, safe
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # a check failed, a difference was found, or the operation failed
@@ -118,21 +119,23 @@ def one_line_errors() -> Iterator[None]:
         ctx = getattr(exc, "ctx", None)
         if isinstance(exc, _USAGE_ERROR) and ctx is not None and ctx.help_option_names:
             message += f" (see '{ctx.command_path} {ctx.help_option_names[0]}')"
-        print(f"{name}: {message}", file=sys.stderr)
+        print(f"{name}: {safe(message)}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
 
 
 def stdout() -> Console:
-    return Console(highlight=False, soft_wrap=True)
+    """The console of a command's human output: it shows control characters escaped."""
+    return SafeConsole(highlight=False, soft_wrap=True)
 
 
 def stderr() -> Console:
-    return Console(stderr=True, highlight=False)
+    return SafeConsole(stderr=True, highlight=False)
 
 
 def report_error(exc: BaseException) -> None:
-    """``TypeName: message`` on stderr (plain text: messages may contain brackets)."""
-    print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+    """``TypeName: message`` on stderr (plain text: messages may contain brackets; a
+    name's control characters shown escaped)."""
+    print(f"{type(exc).__name__}: {safe(exc, lines=True)}", file=sys.stderr)
 
 
 @contextlib.contextmanager

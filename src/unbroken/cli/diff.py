@@ -10,6 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ._common import EXIT_FAILED, Command, JsonOption, emit_json, guard, progress, stdout
+from ._safe import safe, shown
 
 if TYPE_CHECKING:
     from ..tools.comparison import DiffReport, TensorDiff
@@ -92,17 +93,18 @@ def _print(report: DiffReport) -> None:
     colors = {"identical": "green", "skipped": "yellow"}
     for c in report.components:
         color = colors.get(c.status, "red")
-        table.add_row(escape(c.name), f"[{color}]{c.status}[/{color}]", str(c.equal),
+        table.add_row(shown(c.name), f"[{color}]{c.status}[/{color}]", str(c.equal),
                       str(c.different), str(c.only_a), str(c.only_b), escape(c.note))  # fmt: skip
     console.print(table)
     # RNG state, one line per generator, instead of hundreds of state words and tensors.
     summarized = {"rng"} if report.rng else set()
     if report.rng:
         console.print("rng state, per generator:")
-        width = max(len(g.label) for g in report.rng)
+        width = max(len(safe(g.label)) for g in report.rng)
         for g in report.rng:
             color = "green" if g.status == "same" else "red"
-            console.print(f"  {escape(g.label):<{width}}  [{color}]{g.status}[/{color}]")
+            label = escape(safe(g.label).ljust(width))
+            console.print(f"  {label}  [{color}]{escape(g.status)}[/{color}]")
     changed = [t for t in report.tensors if t.status != "equal"]
     listed = [t for t in changed if t.component not in summarized]
     if listed:
@@ -111,7 +113,7 @@ def _print(report: DiffReport) -> None:
         table.add_column("difference", no_wrap=True)
         table.add_column("max |A-B|", no_wrap=True, justify="right")
         for t in listed[:MAX_TENSORS]:
-            table.add_row(escape(t.key), *map(escape, _describe(t)))
+            table.add_row(shown(t.key), *map(escape, _describe(t)))
         console.print(table)
         _more(console, len(listed) - MAX_TENSORS, "tensor(s) differ")
     for c in report.components:
@@ -119,7 +121,9 @@ def _print(report: DiffReport) -> None:
             continue
         for d in c.state_differences[:MAX_STATE]:
             console.print(f"[red]state differs:[/red] {escape(d)}")
-        _more(console, len(c.state_differences) - MAX_STATE, f"state difference(s) in {c.name}")
+        _more(
+            console, len(c.state_differences) - MAX_STATE, f"state difference(s) in {shown(c.name)}"
+        )
     equal = len(report.tensors) - len(changed)
     verdict = "[green]identical[/green]" if report.identical else "[red]different[/red]"
     console.print(f"{verdict}: {equal} tensor(s) equal, {len(changed)} differ")

@@ -19,6 +19,7 @@ from ._common import (
     progress,
     stdout,
 )
+from ._safe import shown
 
 HELP = """Write a checkpoint's model weights as one consolidated .safetensors file.
 
@@ -68,8 +69,8 @@ def export_command(
         + (f", {dtype.value}" if dtype is not None else "")
     )
     for alias, target in result.tied.items():
-        console.print(
-            f"tied: {escape(alias)} = {escape(target)}, written once (as {escape(target)})"
-        )
+        console.print(f"tied: {shown(alias)} = {shown(target)}, written once (as {shown(target)})")
     if result.skipped:
-        console.print(f"[yellow]not exported (not tensors):[/yellow] {', '.join(result.skipped)}")
+        console.print(
+            f"[yellow]not exported (not tensors):[/yellow] {', '.join(map(shown, result.skipped))}"
+        )

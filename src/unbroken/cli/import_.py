@@ -12,6 +12,7 @@ from rich.markup import escape
 
 from ..errors import CheckpointError
 from ._common import Command, JsonOption, emit_json, guard, stdout, usage_error
+from ._safe import shown
 
 HELP = """Convert a checkpoint written by other code into an unbroken checkpoint.
 
@@ -108,5 +109,9 @@ def import_command(
         f"{result.model_tensors} model tensor(s), optimizer: {result.optimizer} "
         f"({result.optimizer_params} parameter(s)), scheduler: "
         f"{'yes' if result.scheduler else 'no'}\n  -> {escape(result.path)}"
-        + (f"\n  left out on request: {', '.join(result.ignored)}" if result.ignored else "")
+        + (
+            f"\n  left out on request: {', '.join(map(shown, result.ignored))}"
+            if result.ignored
+            else ""
+        )
     )

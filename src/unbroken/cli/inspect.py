@@ -22,6 +22,7 @@ from ._common import (
     stdout,
     when,
 )
+from ._safe import shown
 
 if TYPE_CHECKING:
     from ..tools.inspection import CheckpointInspection, CheckpointSummary, RunInspection
@@ -73,7 +74,7 @@ def _print_run(run: RunInspection) -> None:
     # column only when they differ (the lineage keeps room at 80 columns).
     summaries = run.checkpoints
     versions = {_versions(s) for s in summaries if not s.error}
-    table = Table(title=f"committed checkpoints in {run.path}",
+    table = Table(title=f"committed checkpoints in {shown(run.path)}",
                   caption=f"saved with {versions.pop()}" if len(versions) == 1 else None)  # fmt: skip
     columns = ["step", "created", "size", "world"] + (["versions"] if versions else [])
     for col in columns:
@@ -87,7 +88,7 @@ def _print_run(run: RunInspection) -> None:
         row = [str(s.step), when(s.created_unix), human_bytes(s.size_bytes), str(s.world_size)]
         if versions:
             row.append(_versions(s).replace(", ", "\n"))
-        table.add_row(*row, lineage_text(s.lineage))
+        table.add_row(*row, escape(lineage_text(s.lineage)))
     stdout().print(table)
     _print_branch(run.newest, run.retired)
 
@@ -112,7 +113,7 @@ def _print_branch(newest: CheckpointSummary | None, retired: list[CheckpointSumm
         table.add_column("lineage", overflow="fold")
         for r in retired:
             lineage = r.error or lineage_text(r.lineage)
-            table.add_row(str(r.step), human_bytes(r.size_bytes), escape(Path(r.path).name),
+            table.add_row(str(r.step), human_bytes(r.size_bytes), shown(Path(r.path).name),
                           escape(lineage))  # fmt: skip
         console.print(table)
 
@@ -125,14 +126,18 @@ def _print_detail(info: CheckpointInspection) -> None:
     console = stdout()
     versions = ", ".join(f"{k} {v}" for k, v in info.versions.items())
     console.print(f"[bold]step {info.step}[/bold]  {escape(info.path)}")
-    console.print(f"  saved {when(info.created_unix)} by {info.world_size} rank(s); {versions}")
-    console.print(f"  lineage: {lineage_text(info.lineage)}")
-    console.print(f"  tracked metrics: {len(info.metrics)} step(s); probe: {info.probe}")
+    console.print(
+        f"  saved {when(info.created_unix)} by {info.world_size} rank(s); {escape(versions)}"
+    )
+    console.print(f"  lineage: {escape(lineage_text(info.lineage))}")
+    console.print(
+        f"  tracked metrics: {len(info.metrics)} step(s); probe: {escape(str(info.probe))}"
+    )
     table = Table(title="components")
     for col in ("component", "kind", "per rank", "tensors", "bytes"):
         table.add_column(col)
     for c in info.components:
-        table.add_row(c.name, c.kind, "yes" if c.per_rank else "", str(c.tensors),
+        table.add_row(shown(c.name), escape(c.kind), "yes" if c.per_rank else "", str(c.tensors),
                       human_bytes(c.bytes))  # fmt: skip
     console.print(table)
     table = Table(title="tensors")
@@ -141,7 +146,10 @@ def _print_detail(info: CheckpointInspection) -> None:
         table.add_column(col, no_wrap=True)
     for t in info.tensors:
         table.add_row(
-            escape(t.key), "x".join(map(str, t.shape)) or "scalar", t.dtype, human_bytes(t.bytes)
+            shown(t.key),
+            "x".join(map(str, t.shape)) or "scalar",
+            escape(t.dtype),
+            human_bytes(t.bytes),
         )
     console.print(table)
     if info.optimizer is not None:
@@ -156,13 +164,14 @@ def _print_coverage(console, coverage) -> None:
         flag = "" if p.in_model else "[red]not a model tensor[/red]"
         if not p.entries:
             flag = (flag + " " if flag else "") + "[yellow]no state[/yellow]"
-        group = str(p.group) if p.optimizer is None else f"{p.optimizer}/{p.group}"
+        group = str(p.group) if p.optimizer is None else f"{shown(p.optimizer)}/{p.group}"
         step = "" if p.step is None else f"{p.step:g}"
-        table.add_row(escape(p.fqn), group, ", ".join(p.entries) or "-", step, flag)
+        entries = ", ".join(map(shown, p.entries)) or "-"
+        table.add_row(shown(p.fqn), group, entries, step, flag)
     console.print(table)
     for message in coverage.failures:
         console.print(f"[red]problem:[/red] {escape(message)}")
     for message in coverage.warnings:
         console.print(f"[yellow]note:[/yellow] {escape(message)}")
     for alias, target in coverage.tied.items():
-        console.print(f"tied: {escape(alias)} is {escape(target)} (optimized under that name)")
+        console.print(f"tied: {shown(alias)} is {shown(target)} (optimized under that name)")

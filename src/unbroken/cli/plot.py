@@ -9,6 +9,7 @@ import typer
 
 from ..errors import CheckpointNotFoundError
 from ._common import Command, JsonOption, emit_json, guard, stdout, usage_error
+from ._safe import shown
 
 HELP = """Plot a run's tracked metrics to a PNG, resume points marked.
 
@@ -63,5 +64,5 @@ def plot_command(
         )
         return
     stdout().print(
-        f"wrote {target} ({len(series.values)} metric(s), {len(series.resumes)} resume(s))"
+        f"wrote {shown(target)} ({len(series.values)} metric(s), {len(series.resumes)} resume(s))"
     )

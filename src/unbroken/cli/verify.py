@@ -18,6 +18,7 @@ from ._common import (
     progress,
     stdout,
 )
+from ._safe import shown
 
 if TYPE_CHECKING:
     from ..tools.verification import CheckpointVerification
@@ -77,7 +78,7 @@ def _print(console, r: CheckpointVerification) -> None:
     else:
         console.print(f"[red]FAILED[/red] {where} ({escape(r.path)}): {len(r.failures)} problem(s)")
         for f in r.failures[:MAX_SHOWN]:
-            console.print(f"  [red]{escape(f.where)}[/red]: {escape(f.message)}")
+            console.print(f"  [red]{shown(f.where)}[/red]: {escape(f.message)}")
         if len(r.failures) > MAX_SHOWN:
             console.print(f"  ... and {len(r.failures) - MAX_SHOWN} more (--json lists all)")
     for w in r.warnings:

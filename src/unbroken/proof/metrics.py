@@ -35,7 +35,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..storage.interface import Location
-from ..storage.posix import free_space, writing
+from ..storage.posix import free_space, no_link_opener, writing
 from .metric_objects import ObjectLog
 from .series import FILE, from_json, record_name
 
@@ -293,7 +293,7 @@ class MetricLog:
         if self._file is None:
             assert self._root is not None
             self._root.mkdir(parents=True, exist_ok=True)
-            self._file = open(self._root / FILE, "a", encoding="utf-8")  # noqa: SIM115
+            self._file = self._open()
         # After a failed write, a newline ends any torn line (readers skip the fragment).
         text = ("\n" if self._torn else "") + self._joined()
         self._file.write(text)
@@ -318,7 +318,7 @@ class MetricLog:
         elif self._emitted:
             try:
                 if self._file is None:
-                    self._file = open(self._root / FILE, "a", encoding="utf-8")  # noqa: SIM115
+                    self._file = self._open()
                 self._file.write(("\n" if self._torn else "") + retraction + "\n")
                 self._file.flush()
             except OSError as exc:
@@ -336,6 +336,12 @@ class MetricLog:
             (x if isinstance(x, str) else json.dumps(x, allow_nan=False)) + "\n"
             for x in self._unwritten
         )
+
+    def _open(self) -> Any:
+        """``metrics.jsonl`` for appending, never through a symbolic link (it would append
+        to whatever the link points at): a link raises ``CheckpointError`` naming it."""
+        assert self._root is not None
+        return open(self._root / FILE, "a", encoding="utf-8", opener=no_link_opener)
 
     def _drop_file(self) -> None:
         self._torn = True

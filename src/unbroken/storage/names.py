@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import PurePath
@@ -37,7 +38,13 @@ REPLACED = ".replaced-"
 LEFTOVERS = (PARTIAL, TRASH)
 # Files of other tools' checkpoints: a folder holding some and none of ours is refused.
 FOREIGN_MARKERS = (".metadata", ".distcp", ".pt", ".pth", ".ckpt", ".safetensors", ".bin")
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
+# ASCII digits and the whole name: ``\d`` also takes other scripts' digits and ``$`` a
+# name ending in a newline, which named a step whose folder is not there.
+_STEP_RE = re.compile(r"step_([0-9]{8,})", re.ASCII)
+_ASIDE_RE = re.compile(r"(step_[0-9]{8,})-([0-9A-Za-z]+)", re.ASCII)
+_STEP_PREFIX = "step_"
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
 
 
 def step_dir_name(step: int) -> str:
@@ -46,9 +53,18 @@ def step_dir_name(step: int) -> str:
 
 
 def step_of(name: str) -> int | None:
-    """The step a folder name says (``step_00000200`` -> 200), or None."""
-    m = _STEP_RE.match(name)
-    return int(m.group(1)) if m else None
+    """The step a folder name says (``step_00000200`` -> 200), or None.
+
+    Only the name :func:`step_dir_name` gives that step is one: another spelling of it
+    (other scripts' digits, a trailing newline, more leading zeros) would be listed as a
+    step whose folder is not there. Such a name is ignored, and logged once.
+    """
+    m = _STEP_RE.fullmatch(name)
+    if m and step_dir_name(int(m.group(1))) == name:
+        return int(m.group(1))
+    if name.startswith(_STEP_PREFIX):
+        _warn_odd(name)
+    return None
 
 
 def folder_step(path: str | os.PathLike | Any) -> int | None:
@@ -73,8 +89,25 @@ def aside_target(name: str, prefix: str) -> str | None:
     """The step folder a folder set aside under ``prefix`` came from (its name), or None."""
     if not name.startswith(prefix):
         return None
-    original = name.removeprefix(prefix).rsplit("-", 1)[0]
-    return original if step_of(original) is not None else None
+    m = _ASIDE_RE.fullmatch(name.removeprefix(prefix))
+    if m is None or step_of(m.group(1)) is None:
+        _warn_odd(name)
+        return None
+    return m.group(1)
+
+
+def _warn_odd(name: str) -> None:
+    """Log, once per process, a name that looks like one of ours and is not."""
+    with _warned_lock:
+        if name in _warned:
+            return
+        _warned.add(name)
+    logger.warning(
+        "ignoring %s in a checkpoint folder: its name is not one unbroken writes "
+        "(step_ and the step in ASCII digits, 8 or more, no other leading zeros, nothing "
+        "after); rename or remove it",
+        ascii(name),
+    )
 
 
 def log_retired(moved: Sequence[tuple[Any, Any]]) -> None:

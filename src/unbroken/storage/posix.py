@@ -102,6 +102,39 @@ def is_locked(fd: int) -> bool:
     return False
 
 
+def open_no_link(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` of a file in a run folder, never through a symbolic link.
+
+    A link planted at a lock or at ``metrics.jsonl`` would have a save truncate, or
+    append to, whatever it points at. Raises ``CheckpointError`` naming the link and
+    what to do; other failures raise their ``OSError``.
+    """
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        if os.path.islink(path):
+            raise linked_file(path) from exc
+        raise
+
+
+def no_link_opener(path: str, flags: int) -> int:
+    """An ``opener`` for :func:`open` that refuses a symbolic link (:func:`open_no_link`)."""
+    return open_no_link(path, flags)
+
+
+def linked_file(path: str | os.PathLike) -> CheckpointError:
+    """The error for a symbolic link found where a run folder keeps one of its files."""
+    try:
+        target = f" (to {os.readlink(path)!r})"
+    except OSError:
+        target = ""
+    return CheckpointError(
+        f"{os.fspath(path)!r} is a symbolic link{target}: unbroken never opens a file of a "
+        "checkpoint folder through a link (it would write where the link points); remove "
+        "the link and run again"
+    )
+
+
 def fsync_dir(path: Path) -> None:
     """Make renames and new entries in the folder ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -170,7 +203,7 @@ def save_lock(root: Path, lock: Path, fix: str):
     """Hold the save lock file ``lock`` in ``root`` (see ``CheckpointDir.save_lock``)."""
     with writing(lock, "creating", fix):
         root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_no_link(lock, os.O_RDWR | os.O_CREAT)
     try:
         if not try_lock(fd):
             holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
@@ -193,7 +226,8 @@ class RunLock:
     the process ends: the system drops it, so a crashed run never blocks its relaunch).
     Open-file-description locks conflict between two holders in one process too (an
     actor's and a critic's Checkpointer). A folder that cannot be locked (no
-    permission, a file system without locks) is never held. Thread-safe.
+    permission, a file system without locks) is never held; a symbolic link planted at
+    its path raises ``CheckpointError`` (never opened through). Thread-safe.
     """
 
     def __init__(self, root: Path, path: Path) -> None:
@@ -210,7 +244,7 @@ class RunLock:
             try:
                 if self._fd is None:
                     self._root.mkdir(parents=True, exist_ok=True)
-                    self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o644)
+                    self._fd = open_no_link(self._path, os.O_RDWR | os.O_CREAT)
                 if not try_lock(self._fd):
                     return False
             except OSError:
@@ -224,9 +258,9 @@ class RunLock:
     def holder(self) -> str:
         """Who holds the lock, as its holder wrote it (``"unknown"`` if it cannot be read)."""
         try:
-            with open(self._path, "rb") as f:
+            with open(self._path, "rb", opener=no_link_opener) as f:
                 return f.read(256).decode(errors="replace").strip() or "unknown"
-        except OSError:
+        except (OSError, CheckpointError):
             return "unknown"
 
     def release(self) -> None:
@@ -245,10 +279,10 @@ class RunLock:
 def saving_now(lock: Path) -> bool:
     """Whether a save holds ``lock``, asked without taking it; True when it cannot be told."""
     try:
-        fd = os.open(lock, os.O_RDONLY)
+        fd = open_no_link(lock, os.O_RDONLY)
     except FileNotFoundError:
         return False
-    except OSError:
+    except (OSError, CheckpointError):  # a link is never opened: a save cannot be ruled out
         return True
     try:
         return is_locked(fd)
@@ -260,7 +294,7 @@ def saving_now(lock: Path) -> bool:
 
 def write_synced(path: Path, data: bytes, fix: str) -> None:
     """Write ``data`` as the new file ``path`` and fsync it."""
-    with writing(path, "writing", fix), open(path, "wb") as f:
+    with writing(path, "writing", fix), open(path, "wb", opener=no_link_opener) as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
