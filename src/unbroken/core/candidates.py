@@ -12,19 +12,11 @@ import logging
 from collections.abc import Callable, Iterator
 
 from ..errors import CheckpointError, CheckpointNotFoundError
-from ..storage import interface
-from ..storage.interface import CheckpointDir, Identity, Location
+from ..storage.interface import CheckpointDir
 from . import collective
 
 logger = logging.getLogger(__name__)
 MAX_RELISTS = 100  # how often checkpoints may vanish while one restore() reads them
-
-
-def vanished(folder: Location, seen: Identity | None) -> bool:
-    """Whether ``folder`` stopped being the checkpoint whose ``identity()`` was
-    ``seen`` (taken before reading it): pruned, retired or re-saved by a concurrent save.
-    Its read errors are then no damage: list the steps again. Rank 0 decides for all."""
-    return collective.from_rank0(interface.vanished(folder, seen))
 
 
 class Candidates:
@@ -34,6 +26,11 @@ class Candidates:
     A step that a concurrent save pruned, retired or re-saved while it was being read is
     no damage: when reading the step just yielded failed, call :meth:`relisted` first.
     Collective, like the reads.
+
+    Cost on a store, however many steps there are (1,000 junk ``step_*/manifest.json``
+    keys, docs/reliability.md): the folder is listed a bounded number of times, each
+    step's mark (``CheckpointDir.step_marks``) is taken from that listing, and a step
+    whose read failed costs one more request (``step_mark``: did it vanish?).
 
     Args:
         ckdir: the run folder.
@@ -61,8 +58,8 @@ class Candidates:
     ) -> None:
         self._ckdir, self._step, self._list = ckdir, step, list_steps
         self._pending = list_steps(ckdir, step)
+        self._marks = self._list_marks()
         self._current: int | None = None
-        self._seen: Identity | None = None
         self._damaged: set[int] = set()
         self._relists = 0
 
@@ -72,21 +69,22 @@ class Candidates:
     def __iter__(self) -> Iterator[int]:
         while self._pending:
             self._current = self._pending.pop(0)
-            self._seen = self._ckdir.step_path(self._current).identity()
             yield self._current
 
-    def relisted(self) -> bool:
+    def relisted(self, *, garbage: bool = False) -> bool:
         """After reading the step just yielded failed: True if it vanished while being read
         (the steps were listed again, less those found damaged, and iteration goes on
         with them); False if it is still there, so the failure is damage.
+
+        ``garbage``: what was read is no checkpoint's at all (not one that vanished: a
+        save never writes such bytes), so it is damage without asking the store.
 
         Raises:
             CheckpointNotFoundError: nothing is left (all removed while being read).
             CheckpointError: checkpoints vanished more than ``MAX_RELISTS`` times.
         """
         assert self._current is not None
-        folder = self._ckdir.step_path(self._current)
-        if not vanished(folder, self._seen):
+        if garbage or not self._vanished(self._current):
             self._damaged.add(self._current)
             return False
         if self._relists >= MAX_RELISTS:
@@ -98,6 +96,7 @@ class Candidates:
         self._relists += 1
         listed = self._list(self._ckdir, self._step)
         self._pending = [s for s in listed if s not in self._damaged]
+        self._marks = self._list_marks()
         if not self._pending:
             raise CheckpointNotFoundError(
                 f"the checkpoints in {self._ckdir.root} were removed while being read"
@@ -105,3 +104,16 @@ class Candidates:
             )
         logger.info("step %d vanished while being read; steps listed again", self._current)
         return True
+
+    def _list_marks(self) -> dict[int, str]:
+        """Rank 0's marks of the committed steps, from one listing; collective."""
+        if not self._pending:
+            return {}
+        return collective.on_rank0(self._ckdir.step_marks) or {}
+
+    def _vanished(self, step: int) -> bool:
+        """Whether ``step`` stopped being the checkpoint listed before it was read
+        (pruned, retired or re-saved meanwhile): its read errors are then no damage.
+        Rank 0 decides for all."""
+        seen = self._marks.get(step)
+        return collective.on_rank0(lambda: seen is None or self._ckdir.step_mark(step) != seen)

@@ -28,9 +28,12 @@ record takes no more steps (see ``proof/metrics.py``).
 Limits: an object store has no locks, so there a Checkpointer that has not committed
 yet writes its record whenever no other run has committed since its baseline (asked at
 each upload), and a second job that never saves leaves its steps there, marked with its
-segment. Two saves racing on a store are still decided by the create-only manifest
-write of the same step (``storage/store_dir.py``); of two different steps both may
-commit, and each run's next save is then refused.
+segment. Two saves of one step racing on a store (both passed :meth:`FolderClaim.check`)
+are decided at the commit (``storage/store_dir.py``): the manifest is written
+create-only, and a step found committed is replaced only if its lineage's last event is
+in the saving run's lineage; else the save fails naming the step, and nothing of the
+other's is moved or deleted. Of two different steps both may commit, and each run's
+next save is then refused.
 """
 
 from __future__ import annotations

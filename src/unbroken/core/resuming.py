@@ -9,11 +9,12 @@ there, so a typo in the path or a folder written by another tool is visible; wit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from typing import Any
 
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.folder_check import check_folder
 from ..live import probe
 from ..live.state import Component
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 REQUIRE_ENV = "UNBROKEN_REQUIRE_CHECKPOINT"
 _OURS = {LOCK, RUN_LOCK, "metrics.jsonl", "metrics"}  # metrics/: the record on a store
 _SHOWN = 5
+_HEAD = 64  # bytes of a manifest read to tell garbage from a manifest
 
 
 @dataclasses.dataclass
@@ -94,11 +96,15 @@ def resume(
     request = restoring.RestoreRequest(reset, skip, probe_fn, model)
     for chosen in candidates:
         folder = ckdir.step_path(chosen)
+        garbage: str | None = None
         try:
+            garbage = collective.on_rank0(functools.partial(not_a_manifest, folder))
+            if garbage:
+                raise CorruptCheckpointError(garbage)
             doc = read_manifest(folder)
             report = restoring.restore(folder, doc, components, request)
         except CorruptCheckpointError as exc:
-            if candidates.relisted():  # pruned or re-saved meanwhile: no damage
+            if candidates.relisted(garbage=bool(garbage)):  # pruned or re-saved meanwhile
                 continue
             # Damage is found before any live object is touched, so an older checkpoint
             # can be tried. An explicitly requested step never falls back.
@@ -123,6 +129,26 @@ def resume(
 def read_manifest(folder: Location) -> dict[str, Any]:
     """Rank 0 checks the folder (``format.folder_check``); every rank gets the manifest."""
     return collective.on_rank0(lambda: check_folder(folder))
+
+
+def not_a_manifest(folder: Location) -> str | None:
+    """Why ``folder``'s manifest is garbage, judged by its first bytes (one small read:
+    every manifest is a JSON object), or None (it may be one: read it whole). So junk
+    ``step_*/manifest.json`` keys cost one request each, however large they are."""
+    path = folder / MANIFEST
+    try:
+        reader = path.open_chunks()
+        try:
+            head = bytearray(_HEAD)
+            got = reader.read_into(0, memoryview(head))
+        finally:
+            reader.close()
+    except (OSError, CheckpointError):
+        return None  # missing or unreadable: the whole check says which
+    start = bytes(head[:got]).lstrip(b" \t\r\n")
+    if start and not start.startswith(b"{"):
+        return f"{path} is not an unbroken manifest (it is not a JSON object); it is damaged"
+    return None
 
 
 def candidate_steps(ckdir: CheckpointDir, step: int | None) -> list[int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,9 @@ MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 MANIFEST_BASE = 4 << 20
 MANIFEST_PER_FILE = 4 << 20
 MANIFEST_PER_BYTE = 64
+# The files that justify a manifest's size: rank shards (``rank_00000.bin`` on a disk,
+# ``rank_00000-<save>.bin`` on a store); any other object beside them raises nothing.
+_SHARD_NAME = re.compile(r"^rank_\d{5}[^/]*\.bin$")
 
 
 class _TorchDtypes(Mapping[str, "torch.dtype"]):
@@ -100,7 +104,7 @@ def encode(directory: Location | str | os.PathLike, body: dict[str, Any]) -> byt
     data = json.dumps(_layout(doc), indent=1, allow_nan=False).encode()
     # Judged as a reader will judge it, by what the files take on the medium; only the
     # files this save wrote count (a store's prefix may hold other saves' objects too).
-    count, held = _shard_budget(directory, set(body.get("files", {})))
+    count, held, _ = _shard_budget(directory, set(body.get("files", {})))
     if len(data) > _size_limit(count, held):
         tensors = body.get("tensors", {})
         chunks = sum(len(t.get("chunks", [])) for t in tensors.values())
@@ -169,16 +173,19 @@ def _sorted(node: Any) -> Any:
     return node
 
 
-def _shard_budget(directory: Location, only: set[str] | None = None) -> tuple[int, int]:
-    """(plain files other than the manifest, bytes they take on the medium) in
-    ``directory`` (of those named ``only``, if given): what a manifest's size is judged
-    against before it is parsed."""
+def _shard_budget(directory: Location, only: set[str] | None = None) -> tuple[int, int, int | None]:
+    """(rank shard files, bytes they take on the medium, the manifest's size or None) in
+    ``directory``, of the files named ``only`` if given: what a manifest's size is judged
+    against before it is read. Only shard-named files count (``_SHARD_NAME``), so a
+    padding file or object beside them cannot raise the limit."""
+    files = directory.plain_files()
     sizes = [
         f.held
-        for name, f in directory.plain_files().items()
-        if name != MANIFEST and (only is None or name in only)
+        for name, f in files.items()
+        if _SHARD_NAME.match(name) and (only is None or name in only)
     ]
-    return len(sizes), sum(sizes)
+    listed = files.get(MANIFEST)
+    return len(sizes), sum(sizes), None if listed is None else listed.size
 
 
 def read(directory: Location | str | os.PathLike) -> dict[str, Any]:
@@ -236,9 +243,11 @@ def read(directory: Location | str | os.PathLike) -> dict[str, Any]:
 def _read_bounded(path: Location, directory: Location) -> bytes:
     """The manifest's bytes, if it is a plain file no larger than its checkpoint can
     need (judged before its bytes are read: see ``MANIFEST_PER_FILE``)."""
-    count, held = _shard_budget(directory)
+    count, held, listed = _shard_budget(directory)
     limit = _size_limit(count, held)
     try:
+        if listed is not None and listed > limit:  # judged by the listing: nothing read
+            raise TooLarge(str(path), listed)
         return path.read_capped(limit)
     except TooLarge as exc:
         if exc.size is None:

@@ -65,6 +65,7 @@ class LocalCheckpointDir:
             text = text.removeprefix("file://")
         self.root = LocalPath(text)
         self._removals: list[threading.Thread] = []
+        self._entry_synced = False  # the run folder's entry in its parent (save_lock)
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointError(
                 f"{self.root} is a file, not a checkpoint directory; pass the folder that "
@@ -75,7 +76,6 @@ class LocalCheckpointDir:
         return self.root / step_dir_name(step)
 
     def steps(self) -> list[int]:
-        """Committed steps, ascending."""
         if not self.root.is_dir():
             return []
         found = []
@@ -125,7 +125,6 @@ class LocalCheckpointDir:
         return posix.RunLock(self.root, self.root / RUN_LOCK)
 
     def check_not_foreign(self) -> None:
-        """Refuse a folder that holds another tool's checkpoint and none of ours."""
         if not self.root.is_dir() or self.steps():
             return
         foreign = sorted(p.name for p in self.root.iterdir() if p.name.endswith(FOREIGN_MARKERS))
@@ -141,8 +140,14 @@ class LocalCheckpointDir:
 
         Two jobs saving into one folder (a misconfigured relaunch) would otherwise clean
         up or overwrite each other's work; the loser gets a clear error instead. Readers
-        never take it (see :meth:`saving_now`).
+        never take it (see :meth:`saving_now`). A new run folder is made here, its entry
+        (and those of new folders above it) fsynced in its parent: it holds every commit.
         """
+        if not self._entry_synced:
+            with writing(self.root, "creating", _FIX):
+                _make_dirs_synced(self.root)
+                fsync_dir(self.root.parent)
+            self._entry_synced = True
         return posix.save_lock(self.root, self.root / LOCK, _FIX)
 
     def saving_now(self) -> bool:
@@ -151,18 +156,15 @@ class LocalCheckpointDir:
         return posix.saving_now(self.root / LOCK)
 
     def token(self, partial: LocalPath) -> str:
-        """``partial`` as text, for the other ranks (:meth:`from_token`)."""
         return str(partial)
 
     def from_token(self, text: str) -> LocalPath:
         return LocalPath(text)
 
     def shard_name(self, partial: LocalPath, rank: int) -> str:
-        """The name of ``rank``'s shard file in the partial save ``partial``."""
         return f"rank_{rank:05d}.bin"
 
     def listdir(self) -> list[str]:
-        """The names in the root folder (raises FileNotFoundError if there is none)."""
         return sorted(os.listdir(self.root))
 
     def is_folder(self, name: str) -> bool:
@@ -173,6 +175,7 @@ class LocalCheckpointDir:
         with writing(path, "creating", _FIX):
             self.root.mkdir(parents=True, exist_ok=True)
             path.mkdir()
+            fsync_dir(self.root)  # the partial folder's entry: its rename needs it there
         return path
 
     def commit(
@@ -188,6 +191,8 @@ class LocalCheckpointDir:
         """
         if manifest:
             posix.write_synced(partial / MANIFEST, manifest, _FIX)
+        with writing(partial, "committing", _FIX):
+            fsync_dir(partial)  # its files' entries, before the rename commits them
         retired = self.retire(retire)
         try:
             with writing(partial, "committing", _FIX):
@@ -268,11 +273,8 @@ class LocalCheckpointDir:
                 os.rename(aside, path)
 
     def retired(self) -> list[tuple[int, LocalPath]]:
-        """Checkpoints retired from abandoned branches: (step, folder), by step."""
-        if not self.root.is_dir():
-            return []
         found = []
-        for entry in self.root.iterdir():
+        for entry in self.root.iterdir() if self.root.is_dir() else ():
             step = aside_step(entry.name, RETIRED)
             if step is not None and entry.is_dir():
                 found.append((step, entry))
@@ -370,6 +372,19 @@ class LocalCheckpointDir:
             logger.warning("put back %s: a re-save of it did not complete", final)
         elif final.has_file(MANIFEST):
             shutil.rmtree(aside, ignore_errors=True)
+
+
+def _make_dirs_synced(path: LocalPath) -> None:
+    """``mkdir -p path``, each new folder's entry fsynced in its parent: without ordered
+    journalling a power loss could lose a new run folder, and every commit in it."""
+    missing, here = [], path
+    while not os.path.isdir(here) and here.parent != here:
+        missing.append(here)
+        here = here.parent
+    for folder in reversed(missing):
+        with contextlib.suppress(FileExistsError):  # another rank or job made it
+            os.mkdir(folder)
+        fsync_dir(folder.parent)
 
 
 def _manifest_mark(folder: LocalPath) -> str | None:

@@ -117,6 +117,12 @@ class Store:
     def read(self, key: str) -> bytes:
         return self.call("reading", key, lambda: self.fs.cat_file(key))
 
+    def read_upto(self, key: str, limit: int) -> bytes:
+        """The object's bytes, or its first ``limit + 1`` when it is larger: one ranged
+        request, so that a hostile object larger than ``limit`` is never downloaded.
+        ``FileNotFoundError`` if there is none."""
+        return self.call("reading", key, lambda: store_io.cat_range(self.fs, key, 0, limit + 1))
+
     def info(self, key: str) -> dict[str, Any] | None:
         """The object's size and identity (``etag``), or None if there is none."""
 
@@ -170,6 +176,29 @@ class Store:
             return out
 
         return self.call("listing", prefix, ls)
+
+    def abort_stale_uploads(self, prefix: str, limit: float) -> list[str]:
+        """S3 keeps the parts of an upload that never completed (and bills them) until
+        aborted: abort those under ``prefix/`` older than ``limit`` seconds. Returns
+        their keys."""
+        if not self.is_s3:
+            return []
+        fs = self.fs
+        bucket, key, _ = fs.split_path(prefix)
+        try:
+            answer = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key + "/")
+        except Exception:  # a store without the listing: the bucket's lifecycle rule cleans
+            return []
+        aborted = []
+        for up in answer.get("Uploads", []):
+            started = up.get("Initiated")
+            age = time.time() - started.timestamp() if hasattr(started, "timestamp") else 0
+            if age >= limit:
+                with contextlib.suppress(Exception):
+                    fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"],
+                               UploadId=up["UploadId"])  # fmt: skip
+                    aborted.append(up["Key"])
+        return aborted
 
     # -- parts ----------------------------------------------------------------------
 

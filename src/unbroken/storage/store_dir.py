@@ -11,10 +11,13 @@
 Every rank uploads its shard straight to its final key, under a name that carries the
 save's id, so two saves of one step (a relaunch racing a zombie job) never write the same
 object. Once every rank's upload has completed, rank 0 writes ``manifest.json`` with a
-conditional write (``If-None-Match: *`` on S3): the write is the commit, and of two
+create-only write (``If-None-Match: *`` on S3): the write is the commit, and of two
 saves of one step only one can make it; the other fails naming the step and removes its
 own objects. A step is listed only if its manifest exists, so an upload cut off at any
-instant is never listed.
+instant is never listed. A save finding the step committed replaces it only if its own
+run wrote it (the lineage says: ``commit``); another job's is refused, never moved. Every
+move (retire, replace, put back) writes its manifest create-only too, so it never lands
+on another save's commit, and a restore puts back a replaced copy whose re-save died.
 
 Objects under a step that its manifest does not list (a crashed or losing save's) and
 step folders without a manifest are removed by a later save once they are older than
@@ -155,26 +158,66 @@ class StoreCheckpointDir:
     def commit(
         self, partial: Any, step: int, *, retire: Sequence[int] = (), manifest: bytes = b""
     ) -> StorePath:
-        """Commit by writing ``manifest`` (its bytes) last, conditionally. Retired steps
-        are unlisted first and put back if the commit fails."""
+        """Commit by writing ``manifest`` (its bytes) last, create-only. Retired steps
+        are unlisted first and put back if the commit fails. A committed ``step`` there
+        already is replaced only if this run wrote it (:meth:`_check_replaceable`)."""
         retired = self.retire(retire)
         final = self.step_path(step)
         aside = None
         try:
-            if self.store.info((final / MANIFEST).key) is not None:
-                logger.warning("replacing the existing checkpoint of step %d", step)
-                aside = self.root / aside_name(REPLACED, final.name)
-                self._move(final, aside)
-            self._put_manifest(final, step, manifest)
+            for _attempt in range(3):
+                old = final.manifest_bytes()
+                if old is not None:
+                    self._check_replaceable(final, step, old, manifest)
+                    logger.warning("replacing the existing checkpoint of step %d", step)
+                    moved = self.root / aside_name(REPLACED, final.name)
+                    final.move_checkpoint(moved)
+                    aside = moved
+                try:
+                    self._put_manifest(final, step, manifest)
+                    break
+                except CheckpointError:
+                    # A restore that found the step unlisted put the old copy back: go
+                    # again. Anything else there is another save's commit: refused.
+                    if old is None or final.manifest_bytes() != old:
+                        raise
+                    aside = None
+            else:
+                raise CheckpointError(
+                    f"step {step} at {final} was put back 3 times by restores while this "
+                    "save replaced it; save again"
+                )
         except BaseException:
             if aside is not None:
                 with contextlib.suppress(Exception):
-                    self._move(aside, final)
+                    aside.move_checkpoint(final)  # create-only: never over another save's
             self._unretire(retired)
             raise
         if aside is not None:
-            self._delete_prefix(aside)
+            aside.delete_all()
         return final
+
+    def _check_replaceable(self, final: StorePath, step: int, old: bytes, new: bytes) -> None:
+        """Refuse to replace the committed ``step`` (manifest bytes ``old``) unless the
+        run saving ``new`` wrote it: its last lineage event (a segment: one
+        Checkpointer's start or resume) is one of ``new``'s. An unreadable manifest is
+        no run's (a damaged step, replaced as before)."""
+        theirs, ours = _lineage(old), _lineage(new)
+        if theirs is None or ours is None:
+            return
+        last = theirs[-1]
+        if last.get("segment") is not None:
+            if last["segment"] in {e.get("segment") for e in ours}:
+                return
+        elif ours[: len(theirs)] == theirs:
+            return
+        run = (theirs[0] or {}).get("run", "unknown")
+        raise CheckpointError(
+            f"another save committed step {step} at {final} (run {run}, segment "
+            f"{last.get('segment', 'unknown')}) while this one was uploading: two jobs "
+            "must not share a checkpoint prefix. This save's objects were removed and the "
+            "other save's checkpoint is kept; stop the other job or use another path"
+        )
 
     def _put_manifest(self, final: StorePath, step: int, data: bytes) -> None:
         key = (final / MANIFEST).key
@@ -191,31 +234,6 @@ class StoreCheckpointDir:
                 "other job or use another path"
             ) from None
 
-    def _listed_files(self, folder: StorePath) -> list[str]:
-        """Names the manifest of ``folder`` lists (none if it has no readable one)."""
-        try:
-            doc = json.loads(self.store.read((folder / MANIFEST).key))
-            return [n for n in doc.get("files", {}) if isinstance(n, str) and "/" not in n]
-        except (FileNotFoundError, ValueError, AttributeError, CheckpointError):
-            return []
-
-    def _move(self, src: StorePath, dst: StorePath) -> None:
-        """Copy a committed checkpoint to ``dst`` (manifest last: committed there only
-        once whole), unlist it at ``src`` (manifest first), then delete its objects."""
-        names = self._listed_files(src)
-        for name in names:
-            self.store.copy((src / name).key, (dst / name).key)
-        self.store.copy((src / MANIFEST).key, (dst / MANIFEST).key)
-        self.store.delete([(src / MANIFEST).key])
-        self.store.delete([(src / name).key for name in names])
-
-    def _delete_prefix(self, folder: StorePath) -> None:
-        listed = self.store.listing(folder.key)
-        keys = [(folder / rel).key for rel in listed]
-        manifest = (folder / MANIFEST).key
-        self.store.delete([k for k in keys if k == manifest])  # unlisted first
-        self.store.delete([k for k in keys if k != manifest])
-
     def retire(self, steps: Sequence[int]) -> list[tuple[Any, Any]]:
         moved: list[tuple[Any, Any]] = []
         try:
@@ -224,7 +242,7 @@ class StoreCheckpointDir:
                 if self.store.info((path / MANIFEST).key) is None:
                     continue
                 aside = self.root / aside_name(RETIRED, path.name)
-                self._move(path, aside)
+                path.move_checkpoint(aside)
                 moved.append((path, aside))
         except BaseException:
             self._unretire(moved)
@@ -235,7 +253,7 @@ class StoreCheckpointDir:
     def _unretire(self, moved: list[tuple[Any, Any]]) -> None:
         for path, aside in reversed(moved):
             with contextlib.suppress(Exception):
-                self._move(aside, path)
+                aside.move_checkpoint(path)
 
     def retired(self) -> list[tuple[int, Any]]:
         found = []
@@ -263,7 +281,7 @@ class StoreCheckpointDir:
 
     def _delete_quietly(self, folder: StorePath) -> None:
         try:
-            self._delete_prefix(folder)
+            folder.delete_all()
         except CheckpointError as exc:  # the next save's clean-up removes what is left
             logger.warning("%s", exc)
 
@@ -299,43 +317,29 @@ class StoreCheckpointDir:
             saves = {shard_save_id(r) for r in members if r != MANIFEST}
             if MANIFEST in members and len(saves) <= 1 and None not in saves:
                 continue  # one save's objects and its manifest: nothing left over
-            keep = set(self._listed_files(folder)) | {MANIFEST} if MANIFEST in members else set()
+            keep = set(folder.listed_files()) | {MANIFEST} if MANIFEST in members else set()
             stale = [r for r, i in members.items() if r not in keep and i["age"] >= limit]
             self.store.delete([(folder / r).key for r in stale])
             removed += [f"{top}/{r}" for r in stale]
-        removed += self._abort_stale_uploads(limit)
+        removed += self.store.abort_stale_uploads(self.root.key, limit)
         if removed:
             logger.info("removed %d leftover object(s) in %s", len(removed), self.root)
         return removed
 
     def clean_leftovers_if_idle(self) -> list[str]:
-        return []  # readers never remove anything from a store (no lock tells them when)
+        """A reader's part of :meth:`clean_leftovers`: only put back the old copy of a
+        re-saved step whose new copy never committed (a save killed between the two), so
+        that a restore finds it. Nothing is removed (no lock tells a reader when it is
+        safe); the put-back's manifest is written create-only, so it never replaces a
+        commit, and a re-save that is still running goes on (``commit``)."""
+        for name in self.listdir():
+            if name.startswith(REPLACED):
+                self._recover(self.root / name, remove=False)
+        return []
 
-    def _abort_stale_uploads(self, limit: float) -> list[str]:
-        """S3 keeps the parts of an upload that never completed (and bills them) until
-        aborted: abort this run's that are older than ``limit``."""
-        if not self.store.is_s3:
-            return []
-        fs = self.store.fs
-        bucket, prefix, _ = fs.split_path(self.root.key)
-        try:
-            answer = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/")
-        except Exception:  # a store without the listing: the bucket's lifecycle rule cleans
-            return []
-        import time
-
-        aborted = []
-        for up in answer.get("Uploads", []):
-            started = up.get("Initiated")
-            age = time.time() - started.timestamp() if hasattr(started, "timestamp") else 0
-            if age >= limit:
-                with contextlib.suppress(Exception):
-                    fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"],
-                               UploadId=up["UploadId"])  # fmt: skip
-                    aborted.append(up["Key"])
-        return aborted
-
-    def _recover(self, aside: StorePath) -> None:
+    def _recover(self, aside: StorePath, *, remove: bool = True) -> None:
+        """Put the old copy of a re-saved step (``.replaced-step_*-<id>``) back if the
+        step is not committed; else delete it (``remove``: a saver, not a reader)."""
         original = aside_target(aside.name, REPLACED)
         if original is None:
             return
@@ -343,10 +347,13 @@ class StoreCheckpointDir:
         if self.store.info((aside / MANIFEST).key) is None:
             return  # the copy aside never completed: the step itself was never unlisted
         if self.store.info((final / MANIFEST).key) is None:
-            self._move(aside, final)
+            try:
+                aside.move_checkpoint(final)
+            except (FileExistsError, FileNotFoundError):
+                return  # a save committed it, or another process put it back, meanwhile
             logger.warning("put back %s: a re-save of it did not complete", final)
-        else:
-            self._delete_prefix(aside)
+        elif remove:
+            aside.delete_all()
 
 
 class NoRunLock:
@@ -360,6 +367,19 @@ class NoRunLock:
 
     def release(self) -> None:
         pass
+
+
+def _lineage(data: bytes) -> list[dict[str, Any]] | None:
+    """The lineage in a manifest's bytes (None: unreadable, or none)."""
+    try:
+        lineage = json.loads(data).get("lineage")
+    except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(lineage, list) or not lineage:
+        return None
+    if not all(isinstance(e, dict) for e in lineage):
+        return None
+    return lineage
 
 
 def _marks(objects: dict[str, dict[str, Any]]) -> dict[int, str]:

@@ -10,6 +10,7 @@ are a crashed or losing save's uploads, which a later save removes (``store_dir.
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -146,15 +147,53 @@ class StorePath:
         return found
 
     def read_capped(self, limit: int) -> bytes:
-        info = self.store.info(self.key)
-        if info is None:
-            raise FileNotFoundError(str(self))
-        if info["size"] > limit:
-            raise TooLarge(str(self), info["size"])
-        data = self.store.read(self.key)
+        # One ranged request: never more than limit + 1 bytes of a hostile object.
+        data = self.store.read_upto(self.key, limit)
         if len(data) > limit:
-            raise TooLarge(str(self), None)
+            info = self.store.info(self.key)
+            raise TooLarge(str(self), None if info is None else info["size"])
         return data
+
+    # -- a committed checkpoint's folder as a whole (``store_dir.py``) -------------------
+
+    def manifest_bytes(self) -> bytes | None:
+        """The bytes of this folder's manifest, or None if it has none."""
+        try:
+            return self.store.read((self / MANIFEST).key)
+        except FileNotFoundError:
+            return None
+
+    def listed_files(self, data: bytes | None = None) -> list[str]:
+        """The names this folder's manifest (or ``data``) lists (none if unreadable)."""
+        try:
+            doc = json.loads(self.store.read((self / MANIFEST).key) if data is None else data)
+            return [n for n in doc.get("files", {}) if isinstance(n, str) and "/" not in n]
+        except (FileNotFoundError, ValueError, AttributeError, CheckpointError):
+            return []
+
+    def move_checkpoint(self, dst: StorePath) -> None:
+        """Copy the committed checkpoint in this folder to ``dst`` (manifest last,
+        create-only: committed there only once whole, never over another save's), unlist
+        it here (manifest first), then delete its objects.
+
+        Raises ``FileExistsError`` (this folder is left as it is) if ``dst`` is committed
+        already, and ``FileNotFoundError`` if this folder is not (anymore)."""
+        if self.store.info((dst / MANIFEST).key) is not None:
+            raise FileExistsError(str(dst / MANIFEST))
+        data = self.store.read((self / MANIFEST).key)
+        names = self.listed_files(data)
+        for name in names:
+            self.store.copy((self / name).key, (dst / name).key)
+        self.store.put((dst / MANIFEST).key, data, create=True)
+        self.store.delete([(self / MANIFEST).key])
+        self.store.delete([(self / name).key for name in names])
+
+    def delete_all(self) -> None:
+        """Delete every object under this prefix, the manifest first (unlisted at once)."""
+        keys = [(self / rel).key for rel in self.store.listing(self.key)]
+        manifest = (self / MANIFEST).key
+        self.store.delete([k for k in keys if k == manifest])
+        self.store.delete([k for k in keys if k != manifest])
 
     def open_chunks(self) -> _ObjectChunks:
         return _ObjectChunks(self)

@@ -1,0 +1,118 @@
+"""Two jobs (two runs) saving the same step into one folder: on S3 (moto on 127.0.0.1)
+and on a local disk, one save fails naming the step, and the other's checkpoint stays
+intact and restorable. Nothing a save did not write is deleted.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+import unbroken as ub
+from s3_server import S3Server
+from unbroken.core.ownership import FolderClaim
+from unbroken.storage.locate import checkpoint_dir
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = S3Server()
+    s.bucket("ckpts")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture
+def s3(server):
+    with server.environment():
+        yield f"s3://ckpts/{uuid.uuid4().hex[:8]}/run"
+
+
+def _job(seed: int, url: str) -> tuple[ub.Checkpointer, torch.nn.Module]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(8, 8)
+    return ub.Checkpointer(url, model=model), model
+
+
+def _race(url: str, monkeypatch) -> tuple[torch.nn.Module, list[str]]:
+    """Job B lists the folder (its claim check passes: nothing is there), then job A
+    saves step 5, then B goes on to upload and commit step 5. Returns the model of the
+    job whose save returned and the errors of the one that failed."""
+    a, model_a = _job(0, url)
+    b, model_b = _job(1, url)
+    a.restore()
+    b.restore()
+    check = FolderClaim.check
+    errors: list[str] = []
+    winner: list[torch.nn.Module] = []
+
+    def paused(self, step, lineage):
+        check(self, step, lineage)
+        if self is b._claim and not winner and not errors:
+            try:
+                a.save(step)  # the other job saves in between
+                winner.append(model_a)
+            except ub.CheckpointError as exc:
+                errors.append(str(exc))
+
+    monkeypatch.setattr(FolderClaim, "check", paused)
+    try:
+        b.save(5)
+        winner.append(model_b)
+    except ub.CheckpointError as exc:
+        errors.append(str(exc))
+    monkeypatch.setattr(FolderClaim, "check", check)
+    assert len(winner) == 1 and len(errors) == 1, (winner, errors)
+    return winner[0], errors
+
+
+def _intact(url: str, model_a: torch.nn.Module) -> None:
+    """The winner's step 5 restores, verified, bit for bit."""
+    torch.manual_seed(7)
+    fresh = torch.nn.Linear(8, 8)
+    report = ub.Checkpointer(url, model=fresh).restore()
+    assert report.step == 5 and report.verified, report
+    assert all(
+        torch.equal(p, q) for p, q in zip(fresh.parameters(), model_a.parameters(), strict=True)
+    )
+
+
+def test_second_job_on_one_s3_prefix_fails_and_keeps_the_first(s3, monkeypatch):
+    """Guards: two jobs committing one step into one s3:// prefix both returned, and the
+    second moved the first's checkpoint aside as its own re-save and deleted it."""
+    model_a, errors = _race(s3, monkeypatch)
+    assert "another save committed step 5" in errors[0]
+    ckdir = checkpoint_dir(s3)
+    assert ckdir.steps() == [5]
+    assert not [n for n in ckdir.listdir() if n.startswith(".")], ckdir.listdir()
+    _intact(s3, model_a)
+
+
+def test_second_job_on_one_local_folder_fails_and_keeps_the_first(tmp_path, monkeypatch):
+    """Guards the same race on a local disk: the save lock and the commit keep the first
+    job's step, the second save fails naming it."""
+    url = str(tmp_path / "run")
+    model_a, errors = _race(url, monkeypatch)  # the save lock refuses the one that comes second
+    assert "another save" in errors[0], errors
+    assert checkpoint_dir(url).steps() == [5]
+    _intact(url, model_a)
+
+
+def test_a_re_save_of_its_own_step_still_replaces_it(s3):
+    """Guards against refusing too much: a Checkpointer re-saving a step it committed (or
+    the step it resumed from) replaces it."""
+    ck, model = _job(0, s3)
+    ck.restore()
+    ck.save(5)
+    with torch.no_grad():
+        model.weight.add_(1)
+    ck.save(5)
+    again, model2 = _job(3, s3)
+    assert again.restore().step == 5
+    assert torch.equal(model2.weight, model.weight)
+    again.save(5)
+    assert checkpoint_dir(s3).steps() == [5]
