@@ -286,7 +286,7 @@ def read_and_check(folder: Location, doc: dict[str, Any], plan: Plan, targets: T
     added up in the same round. Raises ``CorruptCheckpointError`` before anything live
     changes."""
     loaded = verify.LoadedFingerprints(targets.tensors, manifest.fingerprint_algorithm(doc))
-    reader = ShardReader(folder, doc["tensors"], on_loaded=loaded.loaded)
+    reader = ShardReader(folder, doc["tensors"], on_loaded=loaded.loaded, warnings=plan.warnings)
     try:
         with quiet_single_process():
             dcp.load(

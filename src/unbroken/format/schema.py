@@ -86,6 +86,7 @@ def validate(path: Path, doc: dict[str, Any]) -> None:
 
 
 def _validate(doc: dict[str, Any]) -> None:
+    _int(doc.get("format_version"), "format_version", 1)  # manifest.read refuses newer ones
     _int(doc.get("step"), "step")
     world = _int(doc.get("world_size"), "world_size", 1, MAX_WORLD_SIZE)
     if "created_unix" in doc:
@@ -227,7 +228,7 @@ def _chunk(c: Any, where: str, shape: list, itemsize: int, files: dict, seen: se
     if rec is None:
         _fail(where, f"chunk in unlisted file {_short(c.get('file'))}")
     length = math.prod(sizes) * itemsize
-    if c.get("length") != length or isinstance(c.get("length"), bool):
+    if _int(c.get("length"), f"{where}/length") != length:  # an int: never 128.0 nor true
         _fail(where, "chunk length does not match its shape")
     if _int(c.get("offset"), f"{where}/offset") + length > rec["size"]:
         _fail(where, f"chunk lies beyond the end of {c['file']}")
@@ -236,8 +237,13 @@ def _chunk(c: Any, where: str, shape: list, itemsize: int, files: dict, seen: se
 
 
 def _device(x: Any, where: str) -> None:
+    """A device type (``cuda``, never ``cuda:99``: a restore places tensors on the live
+    objects' devices, never on one the file names) that held the tensor's bytes: not
+    ``meta``, which holds none, so no save records it."""
     if not isinstance(x, str) or not _DEVICE.match(x):
         _fail(where, f"{_short(x)} is not a device type")
+    if x == "meta":
+        _fail(where, "'meta' tensors hold no bytes; no save records them")
     if x not in COMMON_DEVICES and not _torch_knows_device(x):
         _fail(where, f"{x!r} is not a device type torch knows")
 
@@ -321,10 +327,12 @@ def _event(event: Any, where: str) -> None:
     _str(event.get("event"), f"{where}/event", MAX_SHORT)
     checks: dict[str, Callable[[Any, str], Any]] = {
         "from_step": _int,
+        "run": lambda x, w: _str(x, w, MAX_SHORT),
         "world_size": lambda x, w: _int(x, w, 1, MAX_WORLD_SIZE),
         "time": lambda x, w: _number(x, w, 0, MAX_TIME),
         "segment": lambda x, w: _str(x, w, MAX_SHORT),
         "reset": lambda x, w: _list(x, w, lambda y, v: _str(y, v, MAX_NAME)),
+        "skipped": lambda x, w: _list(x, w, lambda y, v: _str(y, v, MAX_NAME)),
         "retired": lambda x, w: _list(x, w, _int),
         "replay": _replay,
     }

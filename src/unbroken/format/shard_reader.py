@@ -15,10 +15,7 @@ from typing import Any
 
 import torch
 import xxhash
-from torch.distributed.checkpoint.metadata import (
-    Metadata,
-    MetadataIndex,
-)
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
@@ -30,6 +27,7 @@ from ..storage.locate import location
 from ..storage.store_io import concurrency
 from . import host_ring
 from .shards import ChunkLocation, checksum, metadata_from_entries
+from .tensor_reader import REREADS, reread
 
 READ_THREADS_ENV = "UNBROKEN_READ_THREADS"
 MAX_READERS = 8  # reads in flight per process on a local disk
@@ -85,6 +83,9 @@ class ShardReader(StorageReader):
     """Reads chunks written by :class:`ShardWriter`, verifying each chunk's checksum.
 
     ``entries`` are the manifest's tensor entries; ``directory`` the checkpoint folder.
+    A chunk that fails its checksum is read again (``REREADS`` times) into the same memory
+    before it counts as damage: bytes a store or disk answered wrong once are not a
+    damaged checkpoint. Each chunk that needed it is logged and noted in ``warnings``.
     """
 
     def __init__(
@@ -93,8 +94,10 @@ class ShardReader(StorageReader):
         entries: dict[str, dict],
         *,
         on_loaded: Callable[[str], None] | None = None,
+        warnings: list[str] | None = None,
     ) -> None:
         super().__init__()
+        self.warnings = [] if warnings is None else warnings  # chunks read right only again
         self.directory = location(directory)
         self.metadata = metadata_from_entries(entries)
         self.entries = entries
@@ -306,21 +309,40 @@ class ShardReader(StorageReader):
             )
         if expected and host_ring.through_ring(out):
             return self._read_to_device(index, loc, files, opened, out)
-        if expected:
-            buf = memoryview(out.reshape(-1).view(torch.uint8).numpy())
-            try:
-                got = self._reader(loc, files, opened).read_into(loc.offset, buf)
-            except FileNotFoundError:
-                raise _missing(path) from None
-            except OSError as exc:
-                raise _unreadable(path, exc) from None
-            if got != expected:
-                raise _truncated(path, index, loc)
-            data = buf
-        else:
-            data = memoryview(b"")
-        if checksum(data) != loc.checksum:
-            raise _failed_checksum(path, index, loc)
+        data = memoryview(out.reshape(-1).view(torch.uint8).numpy() if expected else b"")
+        for attempt in range(1 + REREADS):  # read again where the bytes came in wrong
+            if expected:
+                self._read_piece(index, loc.offset, data, files, opened)
+            if checksum(data) == loc.checksum:
+                return self._sound(index, attempt, out)
+        raise _failed_checksum(path, index, loc)
+
+    def _read_piece(self, index: MetadataIndex, at: int, buf: memoryview, *files: Any) -> None:
+        """``buf``'s bytes from ``at`` in the file of ``index``'s chunk, every one of them
+        (``files``: the open files and where they are kept, as :meth:`_reader` takes)."""
+        loc = self._location(index)
+        path = self.directory / loc.file
+        try:
+            got = self._reader(loc, *files).read_into(at, buf)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{path} is missing; this checkpoint cannot be "
+                                         "restored, use an older step") from None  # fmt: skip
+        except OSError as exc:  # no permission, an I/O error: as unusable as missing
+            raise CorruptCheckpointError(
+                f"{path} cannot be read ({exc.strerror or exc}); this checkpoint cannot be "
+                "restored: fix the file's permissions, or use an older step"
+            ) from None
+        if got != buf.nbytes:
+            raise CorruptCheckpointError(
+                f"{path} is truncated: {index.fqn!r} needs bytes {loc.offset}.."
+                f"{loc.offset + loc.length}, the file ends before; use an older step"
+            )
+
+    def _sound(self, index: MetadataIndex, rereads: int, out: torch.Tensor) -> torch.Tensor:
+        """``out``, its chunk sound; a chunk sound only when read again is noted."""
+        if rereads:  # list.append: safe from the reader threads
+            loc = self._location(index)
+            self.warnings.append(reread(index.fqn, rereads, self.directory / loc.file, loc.offset))
         return out
 
     def _reader(self, loc: ChunkLocation, files: contextlib.ExitStack, opened: dict) -> Any:
@@ -340,60 +362,31 @@ class ShardReader(StorageReader):
         """Read one chunk into a device tensor through a ring of pinned buffers: each
         piece is read and checksummed on the host while the one before is copied to the
         device. ``out`` is a new load target: bytes that fail the checksum reach nothing
-        live."""
+        live, and the chunk is read again (``REREADS`` times) into it."""
         path = self.directory / loc.file
-        hasher = xxhash.xxh3_128()
-        done = 0
+        hasher, done = xxhash.xxh3_128(), 0
 
         def fill(piece: memoryview) -> None:
             nonlocal done
-            try:
-                got = self._reader(loc, files, opened).read_into(loc.offset + done, piece)
-            except FileNotFoundError:
-                raise _missing(path) from None
-            except OSError as exc:
-                raise _unreadable(path, exc) from None
-            if got != piece.nbytes:
-                raise _truncated(path, index, loc)
+            self._read_piece(index, loc.offset + done, piece, files, opened)
             hasher.update(piece)
-            done += got
+            done += piece.nbytes
 
-        with host_ring.borrow(out.device) as ring:
-            ring.upload(out, fill)
-        if hasher.hexdigest() != loc.checksum:
-            raise _failed_checksum(path, index, loc)
-        return out
+        for attempt in range(1 + REREADS):
+            with host_ring.borrow(out.device) as ring:
+                ring.upload(out, fill)
+            if hasher.hexdigest() == loc.checksum:
+                return self._sound(index, attempt, out)
+            hasher, done = xxhash.xxh3_128(), 0
+        raise _failed_checksum(path, index, loc)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return True
 
 
-def _missing(path: Location) -> CorruptCheckpointError:
+def _failed_checksum(path: Location, index: MetadataIndex, loc: ChunkLocation) -> Exception:
     return CorruptCheckpointError(
-        f"{path} is missing; this checkpoint cannot be restored, use an older step"
-    )
-
-
-def _unreadable(path: Location, exc: OSError) -> CorruptCheckpointError:
-    # No permission, an I/O error: as unusable as missing.
-    return CorruptCheckpointError(
-        f"{path} cannot be read ({exc.strerror or exc}); this checkpoint cannot be "
-        "restored: fix the file's permissions, or use an older step"
-    )
-
-
-def _truncated(path: Location, index: MetadataIndex, loc: ChunkLocation) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"{path} is truncated: {index.fqn!r} needs bytes {loc.offset}.."
-        f"{loc.offset + loc.length}, the file ends before; use an older step"
-    )
-
-
-def _failed_checksum(
-    path: Location, index: MetadataIndex, loc: ChunkLocation
-) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"{path}: bytes of {index.fqn!r} at offset {loc.offset} fail their checksum "
-        "(the file was altered or damaged); use an older step"
+        f"{path}: bytes of {index.fqn!r} at offset {loc.offset} fail their checksum, "
+        f"read {1 + REREADS} times (the file was altered or damaged); use an older step"
     )

@@ -4,11 +4,13 @@ Restores go through DCP and need live objects; the command-line tools do not hav
 :class:`TensorReader` reads one tensor at a time straight from the manifest's chunk list
 (file, byte offset, length, xxh3-128 checksum, offsets within the global shape), so
 memory stays bounded by the largest tensor, and nothing is ever unpickled. Every chunk's
-checksum is checked before its bytes are used.
+checksum is checked before its bytes are used; a chunk that fails it is read again
+(``REREADS`` times, as a restore does) before it counts as damage.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +23,12 @@ from ..storage.interface import ChunkReader, Location
 from ..storage.locate import location
 from .manifest import DTYPES, require_native_byteorder
 
+logger = logging.getLogger(__name__)
+
+# A chunk that fails its checksum is read again this often before it counts as damage
+# (here and in a restore's ``shard_reader``): a disk or store may answer wrong bytes once.
+REREADS = 2
+
 
 class TensorReader:
     """Reads whole tensors of one committed checkpoint, verifying every chunk.
@@ -32,6 +40,10 @@ class TensorReader:
         folder: the checkpoint's step folder.
         doc: its manifest, as returned by ``unbroken.format.manifest.read(folder)``.
         on_bytes: called with the byte count of each chunk read (for progress bars).
+
+    Attributes:
+        warnings: a note for each chunk that failed its checksum but was sound when read
+            again (bytes a disk or store answered wrong once, not damage).
 
     Example::
 
@@ -51,6 +63,7 @@ class TensorReader:
         self.doc = doc
         self.on_bytes = on_bytes
         self._files: dict[str, ChunkReader] = {}
+        self.warnings: list[str] = []
         require_native_byteorder(self.folder, doc)
 
     def __enter__(self) -> TensorReader:
@@ -97,29 +110,33 @@ class TensorReader:
                 f"{path}: chunk of {key!r} is recorded as {length} bytes, which does not "
                 f"fit its shape {chunk['sizes']} and dtype; the manifest is damaged"
             )
-        if length:
-            buf = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-            f = self._open(path, chunk["file"])
-            got = 0
-            while got < length:
-                n = _read_into(f, chunk["offset"] + got, buf[got:], path)
-                if not n:
-                    raise CorruptCheckpointError(
-                        f"{path} is truncated: {key!r} needs bytes {chunk['offset']}.."
-                        f"{chunk['offset'] + length}, the file ends at "
-                        f"{chunk['offset'] + got}"
-                    )
-                got += n
-            data: memoryview | bytes = buf
+        data = memoryview(target.reshape(-1).view(torch.uint8).numpy() if length else b"")
+        for attempt in range(1 + REREADS):  # read again where the bytes came in wrong
+            if length:
+                self._read_whole(path, chunk, key, data)
+            if xxhash.xxh3_128_hexdigest(data) == chunk["checksum"]:
+                if attempt:
+                    self.warnings.append(reread(key, attempt, path, chunk["offset"]))
+                break
         else:
-            data = b""
-        if xxhash.xxh3_128_hexdigest(data) != chunk["checksum"]:
             raise CorruptCheckpointError(
-                f"{path}: bytes of {key!r} at offset {chunk['offset']} fail their checksum "
-                "(the file was altered or damaged)"
+                f"{path}: bytes of {key!r} at offset {chunk['offset']} fail their checksum, "
+                f"read {1 + REREADS} times (the file was altered or damaged)"
             )
         if self.on_bytes is not None:
             self.on_bytes(length)
+
+    def _read_whole(self, path: Location, chunk: dict[str, Any], key: str, buf: memoryview) -> None:
+        f = self._open(path, chunk["file"])
+        got = 0
+        while got < buf.nbytes:
+            n = _read_into(f, chunk["offset"] + got, buf[got:], path)
+            if not n:
+                raise CorruptCheckpointError(
+                    f"{path} is truncated: {key!r} needs bytes {chunk['offset']}.."
+                    f"{chunk['offset'] + buf.nbytes}, the file ends at {chunk['offset'] + got}"
+                )
+            got += n
 
     def _open(self, path: Location, name: str) -> ChunkReader:
         f = self._files.get(name)
@@ -140,6 +157,17 @@ class TensorReader:
                 ) from None
             self._files[name] = f
         return f
+
+
+def reread(key: str, rereads: int, path: Location, offset: int) -> str:
+    """The note (also logged) for a chunk that failed its checksum and was sound when read
+    again: the bytes came in wrong, the file is sound."""
+    times = "once" if rereads == 1 else f"{rereads} times"
+    note = (
+        f"a chunk of {key!r} read wrong {times} from {path} (offset {offset}), read again and sound"
+    )
+    logger.warning("%s", note)
+    return note
 
 
 def _read_into(f: ChunkReader, offset: int, buf: memoryview, path: Location) -> int:

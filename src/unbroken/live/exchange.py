@@ -143,7 +143,10 @@ class Exchange:
 
     def undo(self) -> None:
         """Put the previous live bytes back: they are in the loaded tensors (and for a
-        chunk interrupted midway, in the buffer)."""
+        chunk interrupted midway, in the buffer). Idempotent, so interrupt-safe: it only
+        copies from the loaded tensors and the buffer, which it never changes, and resets
+        the progress (then frees the buffer) last, so a rollback that an interrupt cut
+        short runs it again and completes it; run again once done, it copies nothing."""
         done, offset = self._at
         for _, live, loaded in self._pairs[:done]:
             live.copy_(loaded)

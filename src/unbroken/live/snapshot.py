@@ -85,6 +85,8 @@ def _take(component: Component) -> Undo:
 
 
 def _reinstall(component: Component, before: Any) -> Undo:
+    # Every undo is idempotent (it installs the same copy, or the same objects, again): a
+    # rollback that an interrupt cut short runs it again to complete it (core/transaction).
     def undo() -> None:
         lazy: list[_Uninitialized] = []
         state = _values(before, lazy)

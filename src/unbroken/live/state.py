@@ -45,17 +45,21 @@ def device_kind(t: torch.Tensor) -> str:
 
 def empty_target(entry: dict[str, Any], like: torch.Tensor | None) -> torch.Tensor:
     """An uninitialized tensor to load a saved tensor into: the saved shape, dtype and
-    memory layout (strides), placed (device, sharding) like the live tensor ``like``
-    where shapes agree."""
+    memory layout (strides), placed (device, sharding) like the live tensor ``like``.
+
+    Never on a device the file names (it is untrusted: ``cuda:99``, ``meta``): a tensor
+    saved from the host goes to the host, any other to ``like``'s device, or with no live
+    counterpart to this machine's current accelerator, or the host where there is none."""
     shape, dtype = entry["shape"], DTYPES[entry["dtype"]]
     if like is not None and isinstance(like, DTensor) and list(like.shape) == shape:
         return torch.empty_like(like, dtype=dtype)
-    if entry.get("device", "cpu") == "cpu":
+    accelerator = None if like is not None else torch.accelerator.current_accelerator(True)
+    if entry.get("device", "cpu") == "cpu" or (like is None and accelerator is None):
         device = torch.device("cpu")
     elif like is not None:
         device = (like.to_local() if isinstance(like, DTensor) else like).device
     else:
-        device = torch.device(entry["device"], torch.accelerator.current_device_index())
+        device = torch.device(accelerator.type, torch.accelerator.current_device_index())
     if "stride" in entry:
         return torch.empty_strided(shape, entry["stride"], dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
