@@ -7,36 +7,14 @@ degree and to one process.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from . import launcher, moe_models
+from . import launcher, models, moe_models
 
 pytestmark = pytest.mark.distributed
 
 SAVED_AT, MORE = 2, 2
-
-
-def _full(model, opt) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    msd, osd = get_state_dict(
-        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    return copy.deepcopy({"model": msd, "optimizer": osd.get("state", {})})
-
-
-def _assert_same(got: dict, want: dict) -> None:
-    assert got["model"].keys() == want["model"].keys()
-    for fqn, t in want["model"].items():
-        assert got["model"][fqn].dtype == t.dtype and torch.equal(got["model"][fqn], t), fqn
-    assert got["optimizer"].keys() == want["optimizer"].keys()
-    for fqn, entries in want["optimizer"].items():
-        for name, t in entries.items():
-            g = got["optimizer"][fqn][name]
-            assert g.dtype == t.dtype and torch.equal(g, t), (fqn, name)
 
 
 def _straight_then_resumed(rank: int, world: int, path: str) -> dict:
@@ -51,9 +29,9 @@ def _straight_then_resumed(rank: int, world: int, path: str) -> dict:
     ckpt = ub.Checkpointer(path, model=model, optimizer=opt)
     ckpt.save(SAVED_AT)
     ckpt.close()
-    at_save = _full(model, opt)
+    at_save = models.full_state(model, opt)
     losses = moe_models.train(model, opt, MORE, start=SAVED_AT, dp_rank=dp_rank)
-    final = _full(model, opt)
+    final = models.full_state(model, opt)
 
     model, opt = moe_models.build(1, dp=2, ep=2)
     report = ub.Checkpointer(path, model=model, optimizer=opt).restore()
@@ -68,9 +46,9 @@ def _straight_then_resumed(rank: int, world: int, path: str) -> dict:
         "final": final,
         "report": report,
         "resumed_losses": resumed,
-        "resumed_final": _full(model, opt),
+        "resumed_final": models.full_state(model, opt),
         "ep4": ep4,
-        "ep4_state": _full(model4, opt4),
+        "ep4_state": models.full_state(model4, opt4),
     }
 
 
@@ -82,13 +60,13 @@ def test_experts_resume_bit_for_bit_and_reshard_to_another_ep_degree(tmp_path):
     assert "Shard(dim=0)" in got["placements"]
     assert got["report"].verified and not got["report"].resharded
     assert got["resumed_losses"] == got["losses"]
-    _assert_same(got["resumed_final"], got["final"])
+    models.assert_same_full_state(got["resumed_final"], got["final"])
     assert got["ep4"].verified and got["ep4"].resharded
-    _assert_same(got["ep4_state"], got["at_save"])
+    models.assert_same_full_state(got["ep4_state"], got["at_save"])
     # Every expert is saved (from the rank holding it), and they differ from each other.
     experts = got["at_save"]["model"]["0.experts"]
     assert all(not torch.equal(experts[0], experts[i]) for i in range(1, moe_models.EXPERTS))
     model, opt = moe_models.build(3)
     report = ub.Checkpointer(path, model=model, optimizer=opt).restore(reset={"rng"})
     assert report.verified and report.resharded
-    _assert_same(_full(model, opt), got["at_save"])
+    models.assert_same_full_state(models.full_state(model, opt), got["at_save"])

@@ -9,25 +9,13 @@ checkpoint called corrupt on any other layout, and by ``unbroken verify``).
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-import torch
 
-from . import launcher, tp_models
+from . import launcher, models, tp_models
 
 pytestmark = pytest.mark.distributed
 
 SAVED_AT, MORE = 2, 2
-
-
-def _full(model, opt) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-    msd, osd = get_state_dict(
-        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    return copy.deepcopy({"model": msd, "optimizer": osd.get("state", {})})
 
 
 def _dp_rank(rank: int, tp: int) -> int:
@@ -44,9 +32,9 @@ def _straight(rank: int, world: int, path: str) -> dict:
     ckpt = ub.Checkpointer(path, model=model, optimizer=opt)
     ckpt.save(SAVED_AT)
     ckpt.close()
-    at_save = _full(model, opt)
+    at_save = models.full_state(model, opt)
     losses = tp_models.train(model, opt, MORE, start=SAVED_AT, dp_rank=_dp_rank(rank, 2))
-    final = _full(model, opt)
+    final = models.full_state(model, opt)
     return {"placements": placements, "at_save": at_save, "losses": losses, "final": final}
 
 
@@ -63,33 +51,22 @@ def _resume(rank: int, world: int, path: str, plain: str) -> dict:
     model, opt = tp_models.build(7, dp=2, tp=2)
     report = ub.Checkpointer(path, model=model, optimizer=opt).restore()
     losses = tp_models.train(model, opt, MORE, start=SAVED_AT, dp_rank=_dp_rank(rank, 2))
-    final = _full(model, opt)
+    final = models.full_state(model, opt)
     model2, opt2 = tp_models.build(8, dp=2, tp=2)
     from_plain = ub.Checkpointer(plain, model=model2, optimizer=opt2).restore(reset={"rng"})
     others = {}
     for dp, tp in ((4, 1), (1, 4)):  # FSDP2 only and TP only, on the same 4 ranks
         model3, opt3 = tp_models.build(9, dp=dp, tp=tp)
         other = ub.Checkpointer(path, model=model3, optimizer=opt3).restore(reset={"rng"})
-        others[(dp, tp)] = {"report": other, "state": _full(model3, opt3)}
+        others[(dp, tp)] = {"report": other, "state": models.full_state(model3, opt3)}
     return {
         "report": report,
         "losses": losses,
         "final": final,
         "from_plain": from_plain,
-        "plain_state": _full(model2, opt2),
+        "plain_state": models.full_state(model2, opt2),
         "others": others,
     }
-
-
-def _assert_same(got: dict, want: dict) -> None:
-    assert got["model"].keys() == want["model"].keys()
-    for fqn, t in want["model"].items():
-        assert got["model"][fqn].dtype == t.dtype and torch.equal(got["model"][fqn], t), fqn
-    assert got["optimizer"].keys() == want["optimizer"].keys()
-    for fqn, entries in want["optimizer"].items():
-        for name, t in entries.items():
-            g = got["optimizer"][fqn][name]
-            assert g.dtype == t.dtype and torch.equal(g, t), (fqn, name)
 
 
 def test_fsdp_tp_saves_strided_shards_and_resumes_bit_for_bit(saved, tmp_path):
@@ -112,14 +89,14 @@ def test_fsdp_tp_saves_strided_shards_and_resumes_bit_for_bit(saved, tmp_path):
     got = launcher.run(_resume, 4, path, plain)
     assert got[0]["report"].verified and not got[0]["report"].resharded
     assert got[0]["losses"] == want["losses"]
-    _assert_same(got[0]["final"], want["final"])
+    models.assert_same_full_state(got[0]["final"], want["final"])
     report = got[0]["from_plain"]
     assert report.verified and report.resharded
     assert any("reduced in another order" in w for w in report.warnings)
-    _assert_same(got[0]["plain_state"], want["at_save"])
+    models.assert_same_full_state(got[0]["plain_state"], want["at_save"])
     for layout, result in got[0]["others"].items():  # the world size stays 4
         assert result["report"].verified and result["report"].resharded, layout
-        _assert_same(result["state"], want["at_save"])
+        models.assert_same_full_state(result["state"], want["at_save"])
 
 
 def _plain_optimizer_state(model, opt, by_fqn: dict) -> dict:
@@ -139,7 +116,7 @@ def _restore_into_layouts(rank: int, world: int, path: str) -> dict:
     for dp, tp in ((1, 2), (2, 1)):
         model, opt = tp_models.build(5, dp=dp, tp=tp)
         report = ub.Checkpointer(path, model=model, optimizer=opt).restore(reset={"rng"})
-        out[(dp, tp)] = {"report": report, "state": _full(model, opt)}
+        out[(dp, tp)] = {"report": report, "state": models.full_state(model, opt)}
     return out
 
 
@@ -152,8 +129,8 @@ def test_fsdp_tp_reshards_to_tp_only_fsdp_only_and_one_process(saved):
     got = launcher.run(_restore_into_layouts, 2, path)[0]
     for layout, result in got.items():
         assert result["report"].verified and result["report"].resharded, layout
-        _assert_same(result["state"], want["at_save"])
+        models.assert_same_full_state(result["state"], want["at_save"])
     model, opt = tp_models.build(6)
     report = ub.Checkpointer(path, model=model, optimizer=opt).restore(reset={"rng"})
     assert report.verified and report.resharded
-    _assert_same(_full(model, opt), want["at_save"])
+    models.assert_same_full_state(models.full_state(model, opt), want["at_save"])

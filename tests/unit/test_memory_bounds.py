@@ -174,7 +174,9 @@ def test_a_manifest_too_large_for_its_chunk_entries_says_so(tmp_path, monkeypatc
         q.grad = torch.ones_like(q)
     opt.step()
     ckpt = ub.Checkpointer(tmp_path / "run", model=model, optimizer=opt)
-    with pytest.raises(ub.CheckpointError, match=r"chunk entries \(one per piece of a tensor on a rank\)") as err:
+    with pytest.raises(
+        ub.CheckpointError, match=r"chunk entries \(one per piece of a tensor on a rank\)"
+    ) as err:
         ckpt.save(1)
     assert "not tensors" not in str(err.value)
     assert ckpt.steps() == []
