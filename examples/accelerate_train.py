@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
-import sys
 
 import torch
 from accelerate import Accelerator, PartialState
@@ -94,11 +92,4 @@ if __name__ == "__main__":
     # DDP's reducer must be gone before the process group: destroying it first can hang
     # in gloo (pytorch/pytorch#56297), so main() has returned and we collect first.
     gc.collect()
-    distributed = torch.distributed.is_initialized()
     PartialState().destroy_process_group()
-    if distributed:
-        # Everything is committed: skip the interpreter's finalization, which aborts the
-        # process if a gloo worker thread is still releasing tensors then (docs/pitfalls.md).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)

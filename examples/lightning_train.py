@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import os
 import random
-import sys
 import warnings
 
 import lightning as L
@@ -95,16 +93,12 @@ def main() -> None:
     trainer = make_trainer(args.dir, steps=args.steps, devices=args.devices, every=args.every)
     trainer.fit(Regressor())
     if torch.distributed.is_initialized():
-        # Everything is committed. Lightning destroys the gloo group only at interpreter
-        # exit, and a gloo worker thread still releasing a collective's tensors while the
-        # interpreter finalizes aborts the process (SIGABRT, docs/pitfalls.md): destroy
-        # it now, with DDP's reducer gone, and skip finalization.
+        # Lightning destroys the gloo group only at interpreter exit: destroy it now, with
+        # DDP's reducer gone first (destroying the group under it can hang in gloo,
+        # pytorch/pytorch#56297).
         del trainer
         gc.collect()
         torch.distributed.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -236,12 +236,6 @@ def main(argv: list[str] | None = None) -> None:
         gc.collect()
     finally:
         dist.destroy_process_group()
-    # Everything is committed. Skip the interpreter's finalization: gloo's worker threads
-    # outlive destroy_process_group, and one still releasing a finished collective's
-    # tensor when finalization starts aborts the process (SIGABRT; docs/pitfalls.md).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -65,11 +65,14 @@ def resume_test(
     bind a fixed port (torchrun without ``--standalone`` or distinct
     ``--master_port``s). ``store``: a URL (``s3://bucket/prefix``) under which the two
     runs keep their checkpoints (``straight`` and ``resumed``) instead of ``workdir``,
-    which still gets the logs, report and plot.
+    which still gets the logs, report and plot. ``timeout``: seconds allowed per run; a
+    run past it is killed with every process it started (torchrun's workers included).
 
     Raises:
         ValueError: a bad ``stop_at``, or a used workdir or store prefix.
-        RunFailed: a run failed, or a stopped run committed no checkpoint at its stop.
+        RunFailed: a run failed, or a stopped run committed no checkpoint at its stop, or
+            a run timed out (one line: "the straight run timed out after 5s and was
+            killed with every process it started: CMD; log: PATH").
     """
     stops = stop_steps(stop_at)
     work = Path(workdir)

@@ -76,7 +76,12 @@ def resume_test_command(
         float, typer.Option("--tolerance", help="Relative deviation allowed with --resume-cmd.")
     ] = 0.05,
     timeout: Annotated[
-        float | None, typer.Option("--timeout", help="Seconds allowed per run.")
+        float | None,
+        typer.Option(
+            "--timeout",
+            help="Seconds allowed per run; past it the run is killed with every process it "
+            "started (exit 1).",
+        ),
     ] = None,
     parallel: Annotated[
         bool,

@@ -2,15 +2,26 @@
 
 Every rank must reach the same decisions: a check that fails on one rank is raised on
 all of them (:func:`agree`), so no rank waits in a collective while another has left.
+
+On gloo, every tensor these helpers hand a collective is kept until gloo's worker thread
+has let go of it (:func:`_released`). Otherwise Python may drop it first, while the worker
+still holds the finished work for a moment; the worker then frees the tensor's Python
+object, which needs the GIL, and if that moment falls in interpreter finalization (the
+last collective of ``close()`` just before the script returns), Python refuses it and the
+process aborts with ``terminate called without an active exception`` (issue 29). The
+object collectives are ours for that reason: torch's drop their tensors inside.
 """
 
 from __future__ import annotations
 
 import contextlib
+import pickle
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -19,6 +30,7 @@ from ..errors import CheckpointError
 T = TypeVar("T")
 _local = threading.local()
 _U32, _U64 = (1 << 32) - 1, (1 << 64) - 1
+_RELEASE_S = 5.0  # the longest wait for gloo's worker to let go of a tensor (never a hang)
 
 
 @contextlib.contextmanager
@@ -57,16 +69,75 @@ def any_rank(flag: bool) -> bool:
     if dist.get_backend() == "nccl":
         box = box.cuda()
     dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    _released(box)
     return bool(box.item())
+
+
+def _on_gloo() -> bool:
+    return dist.get_backend(group()) == "gloo"
+
+
+def _released(*tensors: torch.Tensor) -> None:
+    """Return once no one but the caller holds ``tensors`` (CPU tensors of a finished
+    collective): gloo's worker thread lets go of its work a moment after the collective
+    returns. Bounded by ``_RELEASE_S``; a tensor on a GPU is not waited for.
+    ``Tensor._use_count`` (torch-private: the holders of the tensor's C++ object, this
+    Python object one of them) is checked for: without it, this returns at once."""
+    if not hasattr(torch.Tensor, "_use_count"):
+        return
+    deadline = None
+    while any(t.device.type == "cpu" and t._use_count() > 1 for t in tensors):
+        now = time.monotonic()
+        deadline = deadline or now + _RELEASE_S
+        if now > deadline:
+            return
+        time.sleep(0.0002)
+
+
+def _to_bytes(value: Any) -> torch.Tensor:
+    payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    out = torch.empty(len(payload), dtype=torch.uint8)  # torch's own memory, not Python's
+    out.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
+    return out
+
+
+def _from_bytes(data: torch.Tensor, size: int) -> Any:
+    return pickle.loads(data[:size].numpy().tobytes())
+
+
+def _sizes(data: torch.Tensor) -> list[int]:
+    """Every rank's ``len(data)``, in rank order (one all-gather)."""
+    mine = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size())]
+    dist.all_gather(sizes, mine, group=group())
+    _released(mine, *sizes)
+    return [int(s.item()) for s in sizes]
+
+
+def _padded(data: torch.Tensor, size: int) -> torch.Tensor:
+    if data.numel() == size:
+        return data
+    out = torch.zeros(size, dtype=torch.uint8)
+    out[: data.numel()] = data
+    return out
 
 
 def gather_all(value: Any) -> list[Any]:
     """Every rank's ``value``, in rank order, on every rank."""
     if not active():
         return [value]
-    out: list[Any] = [None] * world_size()
-    dist.all_gather_object(out, value, group=group())
-    return out
+    if not _on_gloo():
+        out: list[Any] = [None] * world_size()
+        dist.all_gather_object(out, value, group=group())
+        return out
+    data = _to_bytes(value)
+    sizes = _sizes(data)
+    longest = max(sizes)
+    mine = _padded(data, longest)
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    dist.all_gather(gathered, mine, group=group())
+    _released(mine, *gathered)
+    return [_from_bytes(t, n) for t, n in zip(gathered, sizes, strict=True)]
 
 
 def gather_to_rank0(value: Any) -> list[Any] | None:
@@ -75,18 +146,46 @@ def gather_to_rank0(value: Any) -> list[Any] | None:
     (at a thousand ranks, a thousand times the bytes and the unpickling)."""
     if not active():
         return [value]
-    out: list[Any] | None = [None] * world_size() if rank() == 0 else None
-    dist.gather_object(value, out, dst=0, group=group())
-    return out
+    if not _on_gloo():
+        out: list[Any] | None = [None] * world_size() if rank() == 0 else None
+        dist.gather_object(value, out, dst=0, group=group())
+        return out
+    data = _to_bytes(value)
+    sizes = _sizes(data)
+    longest = max(sizes)
+    mine = _padded(data, longest)
+    if rank() != 0:
+        dist.gather(mine, None, dst=0, group=group())
+        _released(mine)
+        return None
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in sizes]
+    dist.gather(mine, gathered, dst=0, group=group())
+    _released(mine, *gathered)
+    return [_from_bytes(t, n) for t, n in zip(gathered, sizes, strict=True)]
+
+
+def _broadcast_from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (two broadcasts: the size, then the bytes)."""
+    if not _on_gloo():
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=group())
+        return box[0]
+    data = _to_bytes(value) if rank() == 0 else None
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+    dist.broadcast(size, src=0, group=group())
+    _released(size)
+    if data is None:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.broadcast(data, src=0, group=group())
+    _released(data)
+    return _from_bytes(data, data.numel())
 
 
 def from_rank0(value: Any) -> Any:
     """Rank 0's ``value`` on every rank."""
     if not active():
         return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group())
-    return box[0]
+    return _broadcast_from_rank0(value)
 
 
 def _attempt(fn: Callable[[], T]) -> tuple[T | None, Exception | None]:
@@ -121,9 +220,9 @@ def on_rank0(fn: Callable[[], T]) -> T | None:
         if error is not None:
             raise error
         return result
-    box = [(None, result) if error is None else ((type(error), str(error)), None)]
-    dist.broadcast_object_list(box, src=0, group=group())
-    summary, value = box[0]
+    summary, value = _broadcast_from_rank0(
+        (None, result) if error is None else ((type(error), str(error)), None)
+    )
     _raise_first([summary], error)
     return value
 
@@ -161,6 +260,7 @@ def agree_summing(fn: Callable[[], T], values: list[int]) -> tuple[T | None, lis
     if dist.get_backend(group()) == "nccl":
         box = box.cuda()
     dist.all_reduce(box, op=dist.ReduceOp.SUM, group=group())
+    _released(box)
     failed, *sums = box.tolist()
     if failed:
         _raise_first(gather_all(None if error is None else (type(error), str(error))), error)
@@ -176,6 +276,7 @@ def least(values: list[int]) -> list[int]:
     if dist.get_backend(group()) == "nccl":
         box = box.cuda()
     dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group())
+    _released(box)
     return box.tolist()
 
 

@@ -4,14 +4,22 @@ process for the resume harness, its output kept in a log file.
 When a run fails, the error shows the exception that stopped it, found in the log: the
 first Python traceback's final line(s), of the failing rank under torchrun, rather than
 torchrun's own ``ChildFailedError`` report.
+
+A run past its timeout is killed with every process it started: torchrun starts its
+workers in sessions of their own, so killing torchrun (or its process group) alone would
+leave them running. The run's tree is frozen (SIGSTOP, so nothing forks while it is
+walked), found through ``/proc`` (Linux; elsewhere only the run's process group), then
+killed (SIGKILL).
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import re
 import shlex
+import signal
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -41,11 +49,22 @@ def run(command: Command, folder: Location, env: dict[str, str], log: Path,
     with open(log, "a", encoding="utf-8") as out:
         out.write(f"$ {shlex.join(argv)}\n")
         out.flush()
-        proc = subprocess.run(
-            argv, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, check=False
+        # A process group of its own: killed as a whole (with its descendants) on timeout.
+        proc = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0
         )
-    if proc.returncode != 0:
-        raise RunFailed(_failure(f"{shlex.join(argv)} exited with {proc.returncode}", log))
+        try:
+            returncode = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid, group=True)
+            proc.wait()
+            raise RunFailed(_timed_out(shlex.join(argv), timeout, log)) from None
+        except BaseException:  # Ctrl-C (its SIGINT reaches only this group): end the run too
+            _kill_tree(proc.pid, group=True)
+            proc.wait()
+            raise
+    if returncode != 0:
+        raise RunFailed(_failure(f"{shlex.join(argv)} exited with {returncode}", log))
 
 
 def _call_in_child(fn: Callable[[str], object], folder: str, env: dict[str, str], log: str) -> None:
@@ -62,12 +81,83 @@ def _run_callable(fn, folder: str, env: dict[str, str], log: Path, timeout) -> N
         target=_call_in_child, args=(fn, folder, env, str(log))
     )
     proc.start()
-    proc.join(timeout)
+    try:
+        proc.join(timeout)
+    except BaseException:
+        _kill_tree(proc.pid, group=False)
+        raise
     if proc.is_alive():
-        proc.kill()
-        raise RunFailed(f"{fn.__qualname__}({folder!r}) timed out after {timeout}s")
+        _kill_tree(proc.pid, group=False)  # it shares this process's group: not killpg
+        proc.join()
+        raise RunFailed(_timed_out(f"{fn.__qualname__}({folder!r})", timeout, log))
     if proc.exitcode != 0:
         raise RunFailed(_failure(f"{fn.__qualname__}({folder!r}) exited with {proc.exitcode}", log))
+
+
+def _timed_out(what: str, timeout: float, log: Path) -> str:
+    """The one-line error of a run killed at its timeout (also noted in its log)."""
+    with open(log, "a", encoding="utf-8") as out:
+        out.write(f"\n[unbroken] timed out after {timeout:g}s: killed with every process it "
+                  "started\n")  # fmt: skip
+    return (
+        f"the {log.stem} run timed out after {timeout:g}s and was killed with every process "
+        f"it started: {what}; log: {log}"
+    )
+
+
+def _kill_tree(pid: int, *, group: bool) -> None:
+    """SIGKILL ``pid``, its process group if ``group`` (it leads one), and every
+    descendant, however it was started (torchrun's workers lead sessions of their own).
+
+    The tree is frozen first, SIGSTOP to each process found, and walked again until no
+    new one appears: a stopped process cannot fork, and no descendant is orphaned (so
+    lost from the tree) before all are found. Then everything found is killed.
+    """
+    found: list[int] = []
+    fresh = [pid]
+    while fresh:
+        for p in fresh:
+            _signal(p, signal.SIGSTOP)
+        found += fresh
+        fresh = [p for p in _descendants(pid) if p not in found]
+    if group:
+        with contextlib.suppress(OSError):  # gone already
+            os.killpg(pid, signal.SIGKILL)
+    for p in found:
+        _signal(p, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(OSError):  # gone already
+        os.kill(pid, sig)
+
+
+def _descendants(root: int) -> list[int]:
+    """The pids of ``root``'s descendants now, from ``/proc`` ([] without it)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    children: dict[int, list[int]] = {}
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(name))
+    out: list[int] = []
+    todo = [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            out.append(child)
+            todo.append(child)
+    return out
 
 
 # torchrun --tee / --log-dir (or TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE) prefixes each

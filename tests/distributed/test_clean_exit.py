@@ -1,0 +1,40 @@
+"""A torchrun job that uses unbroken and simply returns from main exits 0 (issue 29,
+item 12).
+
+Before, a gloo worker thread could free, during interpreter finalization, the last
+reference to a tensor that one of our collectives had handed it, and the rank aborted
+with SIGABRT ("terminate called without an active exception") after its work was
+committed: 3 of 20 two-rank runs of ``scripts/clean_exit_train.py`` on a loaded 2-core
+machine. Our collectives now keep every tensor until gloo has let go of it
+(core/collective.py). The issue asked for 30 runs in a row; this test runs the script
+``RUNS`` times at 2 ranks and ``RUNS`` times at 3 ranks (4 runs: 52 s of CPU time, 108 s
+on a 2-core machine busy with other jobs), each saving, restoring and returning without
+``os._exit``: every one must exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+SCRIPT = Path(__file__).parent / "scripts" / "clean_exit_train.py"
+RUNS = 2
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_job_that_returns_from_main_exits_0(tmp_path, world):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for i in range(RUNS):
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node", str(world), str(SCRIPT), str(tmp_path / f"run{i}")],
+            capture_output=True, text=True, timeout=240, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, f"run {i + 1} of {RUNS}:\n{done.stdout}\n{done.stderr}"
+        assert "terminate called" not in done.stderr
