@@ -69,6 +69,37 @@ def ckpt_dir(tmp_path):
     return tmp_path / "ckpts"
 
 
+@pytest.fixture(scope="module")
+def s3_server():
+    """moto's S3 server on 127.0.0.1, with a bucket ``ckpts``, for one test module."""
+    from s3_server import S3Server
+
+    s = S3Server()
+    s.bucket("ckpts")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def save_steps(root, steps=(1, 2)) -> dict[int, Problem]:
+    """Train a Problem, saving each of ``steps`` into ``root``; the training state at each
+    step, as a Problem holding it."""
+    import copy
+
+    p = Problem()
+    ckpt = p.checkpointer(root, keep_last=None)
+    states = {}
+    for step in steps:
+        p.step()
+        ckpt.save(step)
+        states[step] = Problem(seed=5)
+        states[step].model.load_state_dict(p.model.state_dict())
+        states[step].opt.load_state_dict(copy.deepcopy(p.opt.state_dict()))
+    ckpt.close()
+    return states
+
+
 def assert_same_training_state(a: Problem, b: Problem) -> None:
     """Model and optimizer state equal bit for bit, dtypes included."""
     sa, sb = a.model.state_dict(), b.model.state_dict()

@@ -12,7 +12,6 @@ raises ``CorruptCheckpointError`` naming it, ``unbroken verify`` fails naming it
 
 from __future__ import annotations
 
-import copy
 import shutil
 
 import pytest
@@ -21,7 +20,7 @@ from typer.testing import CliRunner
 
 import manifest_fuzz as fuzz
 import unbroken as ub
-from conftest import Problem, assert_same_training_state
+from conftest import Problem, assert_same_training_state, save_steps
 
 RNG = "rng/rank_00000/torch"
 EXP_AVG = "optimizer/state/inp.weight/exp_avg"
@@ -31,17 +30,7 @@ EXP_AVG = "optimizer/state/inp.weight/exp_avg"
 def saved(tmp_path_factory):
     """Steps 1 and 2, and the training state at each."""
     root = tmp_path_factory.mktemp("hostile-fields") / "run"
-    p = Problem()
-    ckpt = p.checkpointer(root, keep_last=None)
-    states = {}
-    for step in (1, 2):
-        p.step()
-        ckpt.save(step)
-        states[step] = Problem(seed=5)
-        states[step].model.load_state_dict(p.model.state_dict())
-        states[step].opt.load_state_dict(copy.deepcopy(p.opt.state_dict()))
-    ckpt.close()
-    return root, states
+    return root, save_steps(root)
 
 
 def _chunk(key: str, **change):

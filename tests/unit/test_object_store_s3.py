@@ -25,13 +25,8 @@ TESTS = str(Path(__file__).resolve().parents[1])
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = S3Server()
-    s.bucket("ckpts")
-    try:
-        yield s
-    finally:
-        s.stop()
+def server(s3_server):
+    return s3_server
 
 
 @pytest.fixture

@@ -9,14 +9,12 @@ restore goes on and says so in its report; wrong every time, it is damage as bef
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import manifest_fuzz as fuzz
 import unbroken as ub
-from conftest import Problem, assert_same_training_state
+from conftest import Problem, assert_same_training_state, save_steps
 from unbroken.format import manifest
 from unbroken.format.tensor_reader import TensorReader
 from unbroken.storage import local_files
@@ -27,17 +25,7 @@ KEY = "model/inp.weight"
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("reread") / "run"
-    p = Problem()
-    ckpt = p.checkpointer(root, keep_last=None)
-    states = {}
-    for step in (1, 2):
-        p.step()
-        ckpt.save(step)
-        states[step] = Problem(seed=5)
-        states[step].model.load_state_dict(p.model.state_dict())
-        states[step].opt.load_state_dict(copy.deepcopy(p.opt.state_dict()))
-    ckpt.close()
-    return root, states
+    return root, save_steps(root)
 
 
 @pytest.fixture

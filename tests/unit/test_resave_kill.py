@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import unbroken as ub
-from s3_server import S3Server
 from unbroken.storage.locate import checkpoint_dir
 
 SRC = str(Path(ub.__file__).resolve().parents[1])
@@ -58,13 +57,8 @@ SCRIPT = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = S3Server()
-    s.bucket("ckpts")
-    try:
-        yield s
-    finally:
-        s.stop()
+def server(s3_server):
+    return s3_server
 
 
 def _killed_resave(url: str, where: str) -> None:

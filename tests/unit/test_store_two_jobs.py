@@ -11,19 +11,13 @@ import pytest
 import torch
 
 import unbroken as ub
-from s3_server import S3Server
 from unbroken.core.ownership import FolderClaim
 from unbroken.storage.locate import checkpoint_dir
 
 
 @pytest.fixture(scope="module")
-def server():
-    s = S3Server()
-    s.bucket("ckpts")
-    try:
-        yield s
-    finally:
-        s.stop()
+def server(s3_server):
+    return s3_server
 
 
 @pytest.fixture
