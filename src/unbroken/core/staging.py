@@ -59,12 +59,12 @@ class StagingBuffers:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}  # for copies behind training
 
     def _buffer(self, key: str, like: torch.Tensor) -> torch.Tensor:
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+        if not self._has_buffer(key, like):
             pin = like.device.type == "cuda"
-            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pin)
-            self._buffers[key] = buf
-        return buf
+            self._buffers[key] = torch.empty(
+                like.shape, dtype=like.dtype, device="cpu", pin_memory=pin
+            )
+        return self._buffers[key]
 
     def copy(
         self, flat: dict[str, torch.Tensor], *, after: torch.cuda.Event | None = None

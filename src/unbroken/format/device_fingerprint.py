@@ -96,11 +96,9 @@ def partial_on_device(
 def _row_major_bytes(t: torch.Tensor) -> torch.Tensor:
     import torch
 
-    t = t.detach().resolve_conj().resolve_neg()
-    flat = t.contiguous().reshape(-1)  # a copy only if t is not row-major already
-    if flat.stride(0) != 1:  # one element seen through a stride: view() insists on 1
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    return flat.view(torch.uint8)
+    from .shards import row_major
+
+    return row_major(t.detach().resolve_conj().resolve_neg()).view(torch.uint8)
 
 
 @dataclass(frozen=True)

@@ -83,14 +83,9 @@ def _words(t: torch.Tensor) -> tuple[np.ndarray, int]:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s elements as a 1-D tensor of stride 1 (one element seen through a stride,
-    ``x[::2]`` of two, counts as contiguous for torch yet cannot be viewed as bytes)."""
-    import torch
+    from .shards import row_major  # imports torch: not at this module's import
 
-    flat = t.contiguous().reshape(-1)
-    if flat.numel() and flat.stride(0) != 1:
-        flat = flat.clone(memory_format=torch.contiguous_format)
-    return flat
+    return row_major(t)
 
 
 def _run_sum(words: np.ndarray, g0: int) -> int:

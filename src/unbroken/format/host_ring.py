@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from ..env import env_number
+from .shards import row_major
 
 PINNED_ENV = "UNBROKEN_PINNED_MB"
 DEFAULT_PINNED_MB = 256
@@ -116,10 +117,7 @@ class HostRing:
 
 
 def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()  # a copy on the device: the ring copies row-major bytes
-    return t.reshape(-1).view(torch.uint8)
+    return row_major(t).view(torch.uint8)  # not row-major: a copy on the device
 
 
 class _Pool:

@@ -51,17 +51,24 @@ def shard_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.bin"
 
 
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements in row-major order as a 1-D tensor of stride 1, on its device: a
+    view where ``t`` is laid out so, else a copy. (One element seen through a stride,
+    ``x[::2]`` of two, counts as contiguous for torch yet cannot be viewed as bytes.)"""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return flat
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """A tensor's bytes (CPU, contiguous) as a memoryview, without a copy when possible."""
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous().reshape(-1)
     if t.numel() == 0:
         return memoryview(b"")
-    if t.stride(0) != 1:  # one element seen through a stride: "contiguous", not viewable
-        t = t.clone(memory_format=torch.contiguous_format)
-    return memoryview(t.view(torch.uint8).numpy())
+    return memoryview(row_major(t).view(torch.uint8).numpy())
 
 
 def checksum(data: memoryview | bytes) -> str:
