@@ -41,7 +41,8 @@ __all__ = ["checkpointer_for"]
 
 # Components this module adds; a user's ``extra`` may not reuse them.
 ACCELERATE_COMPONENTS = ("accelerator", "scaler")
-ITERATION_KEY = "unbroken:iteration"
+ITERATION_KEY = "unbroken:iteration"  # older checkpoints: the counter as it was at save
+NEXT_EPOCH_KEY = "unbroken:next_epoch"
 GENERATOR_KEY = "unbroken:generator"
 FINISHED_KEY = "_iterator_finished"
 
@@ -113,11 +114,16 @@ def checkpointer_for(
     taken = sorted(set(extra or ()) & {*ACCELERATE_COMPONENTS, *_custom_names(accelerator)})
     if taken:
         raise ValueError(f"extra reuses the component name(s) {taken}, which checkpointer_for adds")
-    added: dict[str, Any] = {"accelerator": _AcceleratorStep(accelerator)}
+    loaders = _loaders(accelerator, dataloaders)
+    left_out = [
+        (i, p)
+        for i, p in enumerate(accelerator._dataloaders)
+        if not any(chosen._loader is p for chosen in loaders)
+    ]
+    added: dict[str, Any] = {"accelerator": _AcceleratorStep(accelerator, left_out)}
     if getattr(accelerator, "scaler", None) is not None:
         added["scaler"] = accelerator.scaler
     added.update(zip(_custom_names(accelerator), accelerator._custom_objects, strict=True))
-    loaders = _loaders(accelerator, dataloaders)
     return Checkpointer(
         path,
         model=_one_or_indexed(list(accelerator._models)),
@@ -164,17 +170,58 @@ def _loaders(accelerator: Any, chosen: Sequence[Any] | None) -> list[_PreparedLo
 
 
 class _AcceleratorStep:
-    """``accelerator.step``: with gradient accumulation, whether the next micro-batch
-    syncs (and the optimizer steps) depends on it."""
+    """``accelerator.step``, the counter gradient accumulation syncs on, and what the
+    loaders left out of ``dataloader`` hold that decides later random draws.
 
-    def __init__(self, accelerator: Any) -> None:
+    A prepared ``StatefulDataLoader`` makes its first iterator when it is prepared (its
+    ``state_dict()`` needs one), so its first pass draws no seed from torch's RNG and every
+    later pass draws one. A left-out loader re-prepared after a resume would be back on
+    its first pass and skip that draw, shifting every random number after it (dropout
+    masks included); so for each left-out loader this keeps whether its next pass makes a
+    new iterator, and its epoch counter (the seed of a seedable sampler's shuffle).
+    Its position within a pass is not kept: it starts its next pass from the beginning.
+    """
+
+    def __init__(self, accelerator: Any, left_out: Sequence[tuple[int, Any]] = ()) -> None:
         self._accelerator = accelerator
+        self._left_out = list(left_out)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"step": int(self._accelerator.step)}
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"step": int(self._accelerator.step)}
+        if self._left_out:
+            state["left_out_loaders"] = {
+                str(i): {
+                    "epoch": int(getattr(loader, "iteration", 0)),
+                    "new_iterator": _next_pass_makes_iterator(loader),
+                }
+                for i, loader in self._left_out
+            }
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._accelerator.step = int(state["step"])
+        saved = state.get("left_out_loaders") or {}
+        for i, loader in self._left_out:
+            entry = saved.get(str(i))
+            if entry is None:
+                continue  # saved as a restored loader, or by an older unbroken
+            loader.iteration = int(entry["epoch"])
+            base = getattr(loader, "base_dataloader", None)
+            if entry["new_iterator"] and getattr(base, "_initial_iter_for_state_dict", False):
+                # The iterator made at prepare is the one a first pass would use: drop it,
+                # so that the next pass makes (and seeds) a new one, as the saved run did.
+                base._initial_iter_for_state_dict = False
+
+
+def _next_pass_makes_iterator(loader: Any) -> bool:
+    """Whether ``iter()`` on this prepared loader makes a new inner iterator (drawing a seed
+    from torch's RNG): true unless it still holds the unused one made at prepare
+    (torchdata 0.11 ``StatefulDataLoader.__iter__``)."""
+    base = getattr(loader, "base_dataloader", None)
+    iterator = getattr(base, "_iterator", None)
+    if iterator is None or not getattr(base, "_initial_iter_for_state_dict", False):
+        return True
+    return bool(getattr(iterator, "_finished", False))
 
 
 class _PreparedLoader:
@@ -203,21 +250,31 @@ class _PreparedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         state = dict(self._loader.state_dict())
-        state[ITERATION_KEY] = int(getattr(self._loader, "iteration", 0))
+        state[NEXT_EPOCH_KEY] = self._next_epoch(state)
         g = self._generator()
         if g is not None:
             state[GENERATOR_KEY] = g.get_state()
         return state
 
+    def _next_epoch(self, state: Mapping[str, Any]) -> int:
+        """The epoch the loader's next pass runs: its counter, plus one when its last batch
+        has been handed out but its pass has not ended yet. Accelerate counts an epoch
+        when the ``for`` loop asks for a batch after the last one; until then (inside the
+        loop, or after a ``break`` on the last batch) the counter lags by one."""
+        epoch = int(getattr(self._loader, "iteration", 0))
+        if not state.get(FINISHED_KEY):
+            return epoch
+        references = getattr(self._loader.gradient_state, "dataloader_references", ())
+        return epoch + any(ref is self._loader for ref in references)
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         state = dict(state)
-        iteration = state.pop(ITERATION_KEY)
+        if NEXT_EPOCH_KEY in state:
+            epoch = int(state.pop(NEXT_EPOCH_KEY))
+        else:  # saved by an older unbroken: the counter as it was, the epoch not yet counted
+            epoch = int(state.pop(ITERATION_KEY)) + bool(state.get(FINISHED_KEY))
         generator = state.pop(GENERATOR_KEY, None)
-        if state.get(FINISHED_KEY):
-            # Saved after the epoch's last batch, before the loop asked for one more and
-            # the adapter counted the epoch: the next iter() starts the next epoch.
-            iteration += 1
-        self._loader.iteration = iteration
+        self._loader.iteration = epoch
         self._base().load_state_dict(state)
         self._loader.dl_state_dict = state
         # Make the resumed inner iterator now, inside restore(), before the rng component
