@@ -5,14 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import time
-import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .core import background, branching, collective, resuming, retention, saving
+from .core import background, branching, collective, resuming, retention, run_identity, saving
 from .core.idle_optimizers import IdleOptimizers
 from .core.ownership import FolderClaim
 from .errors import CheckpointError
@@ -22,6 +21,7 @@ from .live.optimizer import OptimizerComponent
 from .live.stopping import StopPolicy
 from .proof.replay_check import ReplayVerdict
 from .proof.run_record import RunRecord
+from .proof.trackers import Tracker, TrackerHub
 from .report import RestoreReport
 from .storage.locate import checkpoint_dir, pinned
 
@@ -84,6 +84,7 @@ class Checkpointer:
             post-resume health check watches it (docs/health-check.md). Default ``"loss"``.
         grad_norm_metric: the tracked gradient norm's name, or None if none is tracked
             (the check then judges the loss alone). Default ``"grad_norm"``.
+        trackers: rank 0 forwards tracked metrics to them (docs/integrations/trackers.md).
 
     Example::
 
@@ -111,6 +112,7 @@ class Checkpointer:
         overwrite: bool = False,
         loss_metric: str = "loss",
         grad_norm_metric: str | None = "grad_norm",
+        trackers: Sequence[Tracker] | None = None,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
@@ -135,15 +137,18 @@ class Checkpointer:
         # Optimizers with no state while their parameters change (rank 0 compares).
         self._idle = IdleOptimizers(self._components)
         self._save_warnings: list[str] = []  # the last committed save's
+        self._logged_warnings: set[str] = set()  # each save warning is logged once
         self._lineage: list[dict[str, Any]] = [
             {
                 "event": "start",
-                "run": uuid.uuid4().hex,  # this run's identity, kept across its resumes
+                "run": run_identity.mint(),  # rank 0's is agreed at restore() or save()
                 "time": time.time(),
                 "world_size": collective.world_size(),
                 "segment": self._record.segment,  # its tracked steps in the metrics record
             }
         ]
+        self._run_id: str | None = None  # decided (the same on every rank)
+        self._trackers = TrackerHub(trackers, record=self._record)  # rank 0's only
         self._fork: int | None = None  # the step resumed from, until the first save commits
         if self._overwrite:
             self._fork = -1  # the first save retires every step committed before it
@@ -151,6 +156,14 @@ class Checkpointer:
         self._closed = False
         mode = background.check_mode(async_save)
         self._saver = background.BackgroundSaver(mode, self._components) if mode else None
+
+    @property
+    def run_id(self) -> str:
+        """The run's id (letters, digits: a W&B id), one for all ranks, resumes and forks;
+        decided by :meth:`restore`, else the first :meth:`save` (before: CheckpointError)."""
+        if self._run_id is None:
+            raise run_identity.unknown()
+        return self._run_id
 
     @property
     def path(self) -> str:
@@ -181,6 +194,8 @@ class Checkpointer:
         step = as_step(step)
         record = probe.record(self._probe, self._model) if self._probe is not None else None
         self.wait()
+        if self._run_id is None:  # no restore(): this save decides the run's id
+            self._lineage, self._run_id = run_identity.agree(self._lineage)
         retire = self._note_branch_and_replay()
         request = saving.SaveRequest(
             step=step,
@@ -207,7 +222,9 @@ class Checkpointer:
         self._save_warnings = staged.warnings
         if collective.rank() == 0:
             for warning in staged.warnings:
-                logger.warning("step %d: %s", staged.request.step, warning)
+                if warning not in self._logged_warnings:
+                    self._logged_warnings.add(warning)
+                    logger.warning("step %d: %s", staged.request.step, warning)
         retention.apply_retention(self._dir, staged.request.step, self._keep_last)
         self._record.after_commit()  # committed: a failure is a warning
 
@@ -268,7 +285,9 @@ class Checkpointer:
         )  # fmt: skip
         if collective.rank() == 0:  # the steps now (a leftover put back included) are ours
             self._claim.restored(done.step if done.doc is not None else None)
-        if done.doc is None:  # a fresh start
+        if done.doc is None:  # a fresh start: rank 0's new id is every rank's
+            self._lineage, self._run_id = run_identity.agree(self._lineage)
+            self._trackers.start(self._run_id, 0, None)
             return done.report
         self._idle.restored(done.doc)  # the next save compares with its fingerprints
         doc, chosen, report = done.doc, done.step, done.report
@@ -278,8 +297,9 @@ class Checkpointer:
             doc.get("metrics", []), from_step=chosen, saved_by=saved_by, world_size=world,
             reset=sorted(reset_set), optimizers=self._restored_optimizers(report),
         )  # fmt: skip
+        lineage, self._run_id = run_identity.restored(doc)
         self._lineage = [
-            *doc["lineage"],
+            *lineage,
             {
                 "event": "resume",
                 "from_step": chosen,
@@ -293,6 +313,7 @@ class Checkpointer:
         self._fork = chosen  # newer committed steps are retired by the first save
         if collective.rank() == 0:
             logger.info("%s", report)
+        self._trackers.start(self._run_id, chosen, self._dir.root)
         return report
 
     def _restored_optimizers(self, report: RestoreReport) -> dict[str | None, Any]:
@@ -313,7 +334,9 @@ class Checkpointer:
         ones named ``loss_metric`` and ``grad_norm_metric`` feed the health check, whose
         finding (at most one per resume) is logged and kept in :attr:`warnings`.
         """
-        self._record.track(as_step(step), metrics)
+        step = as_step(step)
+        self._record.track(step, metrics)
+        self._trackers.log(step, metrics, run_id=self._lineage[0]["run"])  # rank 0's
 
     @property
     def replay(self) -> ReplayVerdict | None:
@@ -344,6 +367,7 @@ class Checkpointer:
             self.wait()
             self._record.finish()  # the replay verdict decided and shared; fsynced
         finally:
+            self._trackers.close()  # a verdict decided by finish() is forwarded first
             self._record.close()
             self._claim.release()
             self._idle.close()

@@ -33,6 +33,9 @@ MAX_PROBE_VALUES = 65536
 MAX_FILES_PER_RANK = 16  # a rank's shard is one file, or a few written side by side
 MAX_SAVE_WARNINGS = 256  # warnings a save records (optional; one per optimizer at most)
 SAFE_FILE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+# A run's identity (the lineage's ``run``, ``Checkpointer.run_id``): usable as is as a
+# tracker's run id (W&B refuses some characters) and in paths.
+RUN_ID = re.compile(r"[A-Za-z0-9]{1,64}")  # fullmatch: "$" would let a newline through
 _DEVICE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _NON_FINITE = ("nan", "inf", "-inf")
 # Bytes per element of every dtype a checkpoint may hold, by the name the manifest records
@@ -327,7 +330,7 @@ def _event(event: Any, where: str) -> None:
     _str(event.get("event"), f"{where}/event", MAX_SHORT)
     checks: dict[str, Callable[[Any, str], Any]] = {
         "from_step": _int,
-        "run": lambda x, w: _str(x, w, MAX_SHORT),
+        "run": _run_id,
         "world_size": lambda x, w: _int(x, w, 1, MAX_WORLD_SIZE),
         "time": lambda x, w: _number(x, w, 0, MAX_TIME),
         "segment": lambda x, w: _str(x, w, MAX_SHORT),
@@ -339,6 +342,11 @@ def _event(event: Any, where: str) -> None:
     for field, check in checks.items():
         if event.get(field) is not None:
             check(event[field], f"{where}/{field}")
+
+
+def _run_id(x: Any, where: str) -> None:
+    if not isinstance(x, str) or not RUN_ID.fullmatch(x):
+        _fail(where, f"{_short(x)} is not a run id (1 to 64 ASCII letters or digits)")
 
 
 def _replay(x: Any, where: str) -> None:

@@ -1,0 +1,450 @@
+"""Experiment trackers after a real crash and recompute (issue 30, item 8).
+
+docs/integrations/trackers.md's script runs as printed, in fresh processes: once straight
+to step 20, and once killed with SIGKILL right after tracking step 17 (last save: step
+10), then launched again, so it restores step 10 and recomputes steps 11 to 20. What
+TensorBoard's event files and W&B's offline run files hold is read back with their own
+readers (TensorBoard's ``EventAccumulator``; wandb 0.31 ships no Python reader of ``.wandb`` files, so
+a small one of its LevelDB-style log is below). Bug class: a resume that logs the
+recomputed steps twice (a dashboard with two values per step, or W&B rows moved to wrong
+steps), a new tracker run per resume, a replay verdict that never reaches the dashboard.
+
+The killed job runs with a detached wandb-core (``wandb beta core start``), as the page
+recommends: wandb-core otherwise dies with the job and its unwritten rows with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import struct
+import subprocess
+import sys
+import time
+import weakref
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import Problem
+from unbroken.format import manifest
+from unbroken.proof.series import read_series
+
+from .recipes import write_recipe
+
+pytestmark = pytest.mark.e2e
+TOTAL, SAVED, KILLED_AFTER = 20, 10, 17
+METRICS = ("loss", "grad_norm")
+
+# Runs the recipe unchanged, SIGKILLing itself right after ``track`` of step N (0: never):
+# no close(), no flush, no atexit; what reached the trackers' files is all there is.
+RUNNER = """
+import os, runpy, signal, sys
+import unbroken as ub
+recipe, kill_after = sys.argv[1], int(sys.argv[2])
+track = ub.Checkpointer.track
+def track_then_die(self, step, **metrics):
+    track(self, step, **metrics)
+    if step == kill_after:
+        os.kill(os.getpid(), signal.SIGKILL)
+ub.Checkpointer.track = track_then_die
+sys.argv = [recipe, *sys.argv[3:]]
+runpy.run_path(recipe, run_name="__main__")
+"""
+
+
+@dataclasses.dataclass
+class Runs:
+    straight: Path  # checkpoint, tb and wandb folders of the straight run
+    crashed: Path  # ... of the killed-and-relaunched run
+    printed: list[str]  # the "run ID from step S" lines of the killed job and the relaunch
+
+
+def _env(tmp: Path, **extra: str) -> dict[str, str]:
+    return {
+        **os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
+        "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(tmp / "wandb-home"),
+        "WANDB_CONFIG_DIR": str(tmp / "wandb-config"), "WANDB_CACHE_DIR": str(tmp / "wandb-cache"),
+        "WANDB_DATA_DIR": str(tmp / "wandb-data"), **extra,
+    }  # fmt: skip
+
+
+def _launch(tmp: Path, recipe: Path, kill_after: int, out: Path, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(tmp / "runner.py"), str(recipe), str(kill_after),
+         str(out / "ckpts"), str(out / "tb"), str(out / "wandb")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(tmp, **env),
+    )  # fmt: skip
+
+
+def _finished(proc: subprocess.Popen, code: int) -> str:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == code, f"exit {proc.returncode}, expected {code}\n{out}\n{err}"
+    return out
+
+
+def _wandb(tmp: Path, *args: str, **env: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "wandb", *args], capture_output=True,
+                          text=True, timeout=120, env=_env(tmp, **env))  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    """The straight run (beside the killed job: independent), the killed job, then its
+    relaunch once the detached wandb-core has written the killed job's rows out."""
+    tmp = tmp_path_factory.mktemp("trackers")
+    recipe = write_recipe("trackers.md", "trackers", tmp)
+    (tmp / "runner.py").write_text(RUNNER, encoding="utf-8")
+    straight, crashed = tmp / "straight", tmp / "crashed"
+    token = _wandb(tmp, "beta", "core", "start", "--idle-timeout", "300s").splitlines()[0]
+    try:
+        first = _launch(tmp, recipe, 0, straight)
+        killed = _launch(tmp, recipe, KILLED_AFTER, crashed, WANDB_SERVICE=token)
+        printed = [_finished(killed, -9)]
+        _finished(first, 0)
+    finally:
+        _wandb(tmp, "beta", "core", "stop", WANDB_SERVICE=token)
+    _wait_for_exit_record(crashed)
+    printed.append(_finished(_launch(tmp, recipe, 0, crashed), 0))
+    return Runs(straight, crashed, [line for out in printed for line in out.splitlines()])
+
+
+def _truth(runs: Runs) -> dict[str, list[tuple[int, float]]]:
+    """The straight run's tracked values, as unbroken recorded them (exact floats)."""
+    values = read_series(runs.straight / "ckpts").values
+    assert [s for s, _ in values["loss"]] == list(range(1, TOTAL + 1))
+    return {name: values[name] for name in METRICS}
+
+
+# TensorBoard -------------------------------------------------------------------------------
+
+
+def _tensorboard(folder: Path):
+    """The folder as the TensorBoard server reads it (``plugin_event_accumulator``, which
+    applies ``purge_step`` to every summary; the older ``event_accumulator`` keeps purged
+    tensor summaries, float64 scalars among them)."""
+    from tensorboard.backend.event_processing import plugin_event_accumulator as pea
+
+    acc = pea.EventAccumulator(str(folder), size_guidance={pea.TENSORS: 0})
+    acc.Reload()
+    return acc
+
+
+def _tb_values(acc, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.util import tensor_util
+
+    return [(e.step, tensor_util.make_ndarray(e.tensor_proto).item()) for e in acc.Tensors(tag)]
+
+
+def _tb_texts(acc, tag: str) -> list[tuple[int, str]]:
+    from tensorboard.util import tensor_util
+
+    return [(e.step, tensor_util.make_ndarray(e.tensor_proto).item().decode())
+            for e in acc.Tensors(f"{tag}/text_summary")]  # fmt: skip
+
+
+def _raw_steps(event_file: Path, tag: str) -> list[int]:
+    """Steps of ``tag`` in one event file as written, before TensorBoard purges anything."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    return [e.step for e in EventFileLoader(str(event_file)).Load()
+            if any(v.tag == tag for v in e.summary.value)]  # fmt: skip
+
+
+def test_tensorboard_shows_every_step_once_with_the_straight_runs_values(runs):
+    """Steps 1..20 once each, every value the straight run's bit for bit (float64). The
+    killed job's file does hold steps 11..17, and the relaunch's holds them again: only
+    the relaunch's ``purge_step=11`` makes TensorBoard show each once (a writer opened
+    without it shows 11..17 twice)."""
+    truth = _truth(runs)
+    acc = _tensorboard(runs.crashed / "tb")
+    for name in METRICS:
+        got = _tb_values(acc, name)
+        assert [s for s, _ in got] == list(range(1, TOTAL + 1)), name
+        assert [v.hex() for _, v in got] == [v.hex() for _, v in truth[name]], name
+    killed, relaunched = sorted((runs.crashed / "tb").iterdir())
+    assert _raw_steps(killed, "loss") == list(range(1, KILLED_AFTER + 1))
+    assert _raw_steps(relaunched, "loss") == list(range(SAVED + 1, TOTAL + 1))
+
+
+def test_tensorboard_shows_the_verdict_and_the_run_id(runs):
+    """The replay verdict of the relaunch (identical, decided at step 17, the last step the
+    killed job had tracked) as a text and a 1.0; the run id at the start of each job."""
+    acc = _tensorboard(runs.crashed / "tb")
+    [(step, text)] = _tb_texts(acc, "unbroken/replay")
+    assert step == KILLED_AFTER and "identical" in text and f"from step {SAVED}" in text
+    assert _tb_values(acc, "unbroken/replay_identical") == [(KILLED_AFTER, 1.0)]
+    run_id = _run_id(runs)
+    assert _tb_texts(acc, "unbroken/run") == [
+        (1, f"run {run_id} started"),
+        (SAVED + 1, f"run {run_id} resumed from step {SAVED}"),
+    ]
+
+
+# W&B (offline) -----------------------------------------------------------------------------
+
+
+def _wandb_records(path: Path):
+    """The protobuf records of a ``.wandb`` file (a LevelDB log: 7-byte header, 32 KiB
+    blocks of chunks ``crc32 (IEEE) | length | type``), checksums checked."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, pending = path.read_bytes(), 7, b""
+    assert data[:4] == b":W&B", f"{path} is not a .wandb file"
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if left < 7 or (length == 0 and kind == 0):  # block trailer or padding
+            pos += left
+            continue
+        chunk = data[pos + 7 : pos + 7 + length]
+        assert zlib.crc32(bytes([kind]) + chunk) == crc, f"{path}: damaged at byte {pos}"
+        pos += 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):  # FULL, LAST
+            record = pb.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def _offline_runs(out: Path) -> list[Path]:
+    """Every offline run's ``.wandb`` file of a run's jobs (``wandb.init(dir=out/wandb)``),
+    oldest first."""
+    return sorted((out / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def _wait_for_exit_record(folder: Path, timeout: float = 60) -> None:
+    """The stopped detached wandb-core writes the killed job's rows out, then its exit."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        files = _offline_runs(folder)
+        if files and any(r.WhichOneof("record_type") == "exit" for r in _wandb_records(files[0])):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no W&B exit record in {folder} after {timeout}s")
+
+
+def _item(item) -> tuple[str, object]:
+    return item.key or "/".join(item.nested_key), json.loads(item.value_json)
+
+
+def _history(path: Path) -> list[tuple[int, dict[str, object]]]:
+    rows = []
+    for r in _wandb_records(path):
+        if r.WhichOneof("record_type") == "history":
+            rows.append((r.history.step.num, dict(_item(i) for i in r.history.item)))
+    return rows
+
+
+def _summary(path: Path) -> dict[str, object]:
+    found: dict[str, object] = {}
+    for r in _wandb_records(path):
+        if r.WhichOneof("record_type") == "summary":
+            found.update(_item(i) for i in r.summary.update)
+    return found
+
+
+def test_wandb_run_files_hold_every_step_once_with_the_straight_runs_values(runs):
+    """What ``wandb sync`` would upload: the killed job's rows (1..17, kept by the
+    detached wandb-core) and the relaunch's (18..20 only: it recomputed 11..17 and did not
+    send them again: doubled, or moved to later steps on upload), every value the
+    straight run's bit for bit."""
+    truth = _truth(runs)
+    killed, relaunched = _offline_runs(runs.crashed)
+    assert [s for s, _ in _history(killed)] == list(range(1, KILLED_AFTER + 1))
+    assert [s for s, _ in _history(relaunched)] == list(range(KILLED_AFTER + 1, TOTAL + 1))
+    rows = _history(killed) + _history(relaunched)
+    for name in METRICS:
+        got = [(s, row[name]) for s, row in rows]
+        assert [(s, float(v).hex()) for s, v in got] == [(s, v.hex()) for s, v in truth[name]]
+    [straight] = _offline_runs(runs.straight)
+    assert [s for s, _ in _history(straight)] == list(range(1, TOTAL + 1))
+
+
+def test_wandb_continues_one_run_and_keeps_the_verdict_in_its_summary(runs):
+    """Both jobs write W&B run ``ckpt.run_id`` (the relaunch resumes it); the relaunch's
+    summary holds the replay verdict."""
+    run_id = _run_id(runs)
+    for path in _offline_runs(runs.crashed):
+        [run] = [r.run for r in _wandb_records(path) if r.WhichOneof("record_type") == "run"]
+        assert run.run_id == run_id and path.name == f"run-{run_id}.wandb"
+    summary = _summary(_offline_runs(runs.crashed)[1])
+    assert summary["unbroken/replay"] == "identical"
+    assert summary["unbroken/replay_from_step"] == SAVED
+    assert "identical" in summary["unbroken/replay_detail"]
+
+
+def _run_id(runs: Runs) -> str:
+    """The run id both jobs printed, which is the one in the last checkpoint's manifest."""
+    doc = manifest.read(runs.crashed / "ckpts" / f"step_{TOTAL:08d}")
+    run_id = doc["lineage"][0]["run"]
+    assert runs.printed == [f"run {run_id} from step 0", f"run {run_id} from step {SAVED}"]
+    assert doc["lineage"][-1]["replay"]["status"] == "identical"
+    return run_id
+
+
+# No import of a tracker's package ---------------------------------------------------------
+
+IMPORTS = """
+import sys, torch
+import unbroken as ub
+from unbroken.integrations.trackers import TensorBoardTracker, WandbTracker
+TensorBoardTracker(sys.argv[1] + "/tb"), WandbTracker(project="p")  # made, never started
+model = torch.nn.Linear(2, 1)
+with ub.Checkpointer(sys.argv[1] + "/ckpts", model=model) as ckpt:
+    ckpt.restore()
+    ckpt.track(1, loss=torch.tensor(0.5))
+    ckpt.save(1)
+print(sorted(m for m in sys.modules if m.split(".")[0] in ("tensorboard", "wandb")
+             or m.startswith("torch.utils.tensorboard")))
+"""
+
+
+def test_unbroken_never_imports_tensorboard_or_wandb(tmp_path):
+    """``import unbroken``, a Checkpointer's whole life, ``unbroken.integrations.trackers``
+    and making its trackers load neither package (they are imported when a tracker
+    starts)."""
+    done = subprocess.run([sys.executable, "-c", IMPORTS, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env=_env(tmp_path))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+# The protocol, in this process -------------------------------------------------------------
+
+
+class Recording:
+    """A tracker that records every call."""
+
+    def __init__(self, fail_in: str | None = None) -> None:
+        self.calls: list[tuple] = []
+        self.fail_in = fail_in
+
+    def _note(self, *call) -> None:
+        self.calls.append(call)
+        if call[0] == self.fail_in:
+            raise ConnectionError("dashboard unreachable")
+
+    def start(self, run_id, resume_step, tracked_upto):
+        self._note("start", run_id, resume_step, tracked_upto)
+
+    def log(self, step, metrics):
+        self._note("log", step, dict(metrics))
+
+    def verdict(self, step, verdict):
+        self._note("verdict", step, verdict.status)
+
+    def close(self):
+        self._note("close")
+
+
+def _train(p: Problem, ckpt, first: int, last: int, save_at=(), tensor=False) -> None:
+    for step in range(first, last + 1):
+        loss = p.step()
+        ckpt.track(step, loss=torch.tensor(loss, dtype=torch.float64) if tensor else loss)
+        if step in save_at:
+            ckpt.save(step)
+
+
+def test_a_resume_tells_trackers_where_it_goes_on_and_what_was_forwarded(tmp_path):
+    """A run tracked 1..17 with its last save at 10; the resume starts its trackers with
+    ``resume_step=10, tracked_upto=17`` (from the metrics record), forwards the
+    recomputed steps as floats (tracked here as 0-d tensors), and the verdict once
+    decided, at step 17."""
+    first, again = Recording(), Recording()
+    p = Problem()
+    with p.checkpointer(tmp_path, trackers=[first]) as ckpt:
+        ckpt.restore()
+        _train(p, ckpt, 1, KILLED_AFTER, save_at=(SAVED,))
+        run_id = ckpt.run_id
+    assert first.calls[0] == ("start", run_id, 0, 0) and first.calls[-1] == ("close",)
+    assert [c[1] for c in first.calls if c[0] == "log"] == list(range(1, KILLED_AFTER + 1))
+    q = Problem(seed=1)
+    with q.checkpointer(tmp_path, trackers=[again]) as ckpt:
+        ckpt.restore()
+        _train(q, ckpt, SAVED + 1, TOTAL, tensor=True)
+    assert again.calls[0] == ("start", run_id, SAVED, KILLED_AFTER)
+    logged = [c for c in again.calls if c[0] == "log"]
+    assert [c[1] for c in logged] == list(range(SAVED + 1, TOTAL + 1))
+    assert all(type(c[2]["loss"]) is float for c in logged)
+    recomputed = {c[1]: c[2] for c in first.calls if c[0] == "log" and c[1] > SAVED}
+    assert {c[1]: c[2] for c in logged if c[1] <= KILLED_AFTER} == recomputed
+    verdict_at = again.calls.index(("verdict", KILLED_AFTER, "identical"))
+    assert again.calls[verdict_at - 1][:2] == ("log", KILLED_AFTER)  # right after step 17
+    assert again.calls[-1] == ("close",)
+
+
+def test_a_failing_tracker_is_left_out_and_training_goes_on(tmp_path, caplog):
+    """A tracker raising in ``log`` is named in one warning and gets nothing more; the
+    other tracker gets every step, and the save commits."""
+    broken, fine = Recording(fail_in="log"), Recording()
+    p = Problem()
+    caplog.set_level(logging.WARNING, logger="unbroken.proof.trackers")
+    with p.checkpointer(tmp_path, trackers=[broken, fine]) as ckpt:
+        _train(p, ckpt, 1, 3, save_at=(3,))  # no restore(): started by the first track
+        assert ckpt.steps() == [3]
+    assert [c[0] for c in broken.calls] == ["start", "log"]
+    assert [c[1] for c in fine.calls if c[0] == "log"] == [1, 2, 3]
+    [warning] = [r.getMessage() for r in caplog.records if "tracker" in r.getMessage()]
+    assert "Recording failed in log()" in warning and "dashboard unreachable" in warning
+
+
+def test_a_checkpointer_with_trackers_dropped_without_close_is_freed_at_once(tmp_path):
+    """As without trackers (a crash in a test, an exception): nothing keeps it alive, so
+    its run lock goes and a relaunch in the same process records its steps."""
+    p, tracker = Problem(), Recording()
+    ckpt = p.checkpointer(tmp_path, trackers=[tracker])
+    ckpt.restore()
+    _train(p, ckpt, 1, 2, save_at=(2,))
+    gone = weakref.ref(ckpt)
+    del ckpt
+    assert gone() is None and [c[0] for c in tracker.calls] == ["start", "log", "log"]
+
+
+def test_trackers_that_are_not_trackers_are_refused(tmp_path):
+    p = Problem()
+    with pytest.raises(TypeError, match=r"trackers\[1\] \(object\) has no method start, log"):
+        p.checkpointer(tmp_path, trackers=[Recording(), object()])
+    with pytest.raises(TypeError, match="a list of trackers"):
+        p.checkpointer(tmp_path, trackers=Recording())
+
+
+def test_a_wandb_run_of_the_callers_own_is_not_taken_for_the_run(tmp_path, monkeypatch, caplog):
+    """``wandb.init`` called by the script first: wandb 0.31 hands the tracker that run
+    (``reinit="return_previous"``), which would log this run under another id. The
+    tracker refuses it (one warning naming both ids) and the training goes on."""
+    import wandb
+
+    from unbroken.integrations.trackers import WandbTracker
+
+    for name, value in _env(tmp_path, WANDB_CONSOLE="off").items():  # stdout left alone
+        if name.startswith("WANDB_"):
+            monkeypatch.setenv(name, value)
+    mine = wandb.init(project="p", dir=str(tmp_path))
+    try:
+        caplog.set_level(logging.WARNING, logger="unbroken.proof.trackers")
+        p = Problem()
+        with p.checkpointer(tmp_path / "ckpts", trackers=[WandbTracker(project="p")]) as ckpt:
+            ckpt.restore()
+            _train(p, ckpt, 1, 2, save_at=(2,))
+            run_id = ckpt.run_id
+        [warning] = [r.getMessage() for r in caplog.records if "tracker" in r.getMessage()]
+        assert f"active run {mine.id} instead of run {run_id}" in warning
+        assert "loss" not in dict(mine.summary)  # nothing of this run went into it
+    finally:
+        mine.finish()
+
+
+def test_tracker_arguments_set_from_the_run_are_refused(tmp_path):
+    from unbroken.integrations.trackers import TensorBoardTracker, WandbTracker
+
+    with pytest.raises(ValueError, match="WandbTracker sets id, resume from the run"):
+        WandbTracker(project="p", id="mine", resume="must")
+    with pytest.raises(ValueError, match="sets purge_step"):
+        TensorBoardTracker(tmp_path, purge_step=3)
