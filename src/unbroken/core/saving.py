@@ -77,6 +77,8 @@ class Staged:
     warnings: list[str] = dataclasses.field(default_factory=list)
     # Components each rank holds a part of (pipeline stages), merged at commit.
     partitioned: set[str] = dataclasses.field(default_factory=set)
+    # What the components found at capture (Component.save_warnings; rank 0's are kept).
+    notes: list[str] = dataclasses.field(default_factory=list)
 
 
 def stage(
@@ -134,7 +136,9 @@ def stage(
             deferred = {k: t for k, t in flat.items() if defer is not None and defer(t)}
             flat = {**flat, **buffers.copy({k: t for k, t in flat.items() if k not in deferred})}
             buffers.keep_only(flat)
-        return Staged(request, skeletons, flat, info, per_rank, deferred, partitioned=partitioned)
+        notes = [note for c in request.components for note in c.save_warnings()]
+        return Staged(request, skeletons, flat, info, per_rank, deferred, partitioned=partitioned,
+                      notes=notes)  # fmt: skip
 
     staged = collective.agree(encode)
     assert staged is not None
@@ -339,10 +343,10 @@ def _manifest_body(
         components[c.name] = entry
     files = dict(record for g in gathered for record in g["files"])
     probes = [g["probe"] for g in gathered]
-    warnings = []
+    warnings = list(staged.notes)
     if request.idle is not None:
-        warnings = request.idle.findings(staged.skeletons, tensors, request.optimizer_steps,
-                                         gathered[0]["fingerprint_algorithm"])  # fmt: skip
+        warnings += request.idle.findings(staged.skeletons, tensors, request.optimizer_steps,
+                                          gathered[0]["fingerprint_algorithm"])  # fmt: skip
     return {
         "step": request.step,
         "created_unix": time.time(),

@@ -112,6 +112,10 @@ class Component:
 
     verify_live = False  # recapture after install and compare fingerprints
 
+    def save_warnings(self) -> list[str]:
+        """What the last capture found that a resume cannot restore cheaply or exactly."""
+        return []
+
 
 class ModelComponent(Component):
     """``model``: one module or a dict of them, through torch's model state-dict API."""
