@@ -34,26 +34,25 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, StateMismatchError
 from ..live.probe import Probe
 from ..report import RestoreReport
+from . import _lightning_fsdp
 
 logger = logging.getLogger(__name__)
 
 LOOPS = "lightning_loops"
 FINAL = "unbroken:final"
-_SUPPORTED_STRATEGIES = (SingleDeviceStrategy, DDPStrategy)
 
 
 class UnbrokenCallback(pl.Callback):
@@ -65,8 +64,11 @@ class UnbrokenCallback(pl.Callback):
     and when ``fit()`` ends, and on preemption (SIGTERM/SIGUSR1, or ``UNBROKEN_STOP_AT``)
     one is saved and ``trainer.should_stop`` is set. Every step's loss and gradient norm
     are tracked (:meth:`unbroken.Checkpointer.track`), so ``unbroken resume-test`` and
-    the post-resume checks can compare. Runs with one process or Lightning's ``ddp``
-    strategy; every rank must have the callback.
+    the post-resume checks can compare. Runs on one device, with ``strategy="ddp"``,
+    ``FSDPStrategy`` (FSDP1) and ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` in
+    ``configure_model``); every rank must have the callback. Sharded model and optimizer
+    state restores onto any number of devices; per-rank state (RNG, loader positions)
+    onto the saved number only, unless ``reset`` names it.
 
     Args:
         dirpath: the run's checkpoint folder (``Checkpointer``'s ``path``).
@@ -76,6 +78,10 @@ class UnbrokenCallback(pl.Callback):
         extra: name -> object with ``state_dict``/``load_state_dict``, saved too.
         probe: ``callable(module) -> Tensor | float`` recomputed after restore.
         restore_step: restore this committed step instead of the latest.
+        reset: components to start fresh instead of restoring (``Checkpointer.restore``'s
+            ``reset``): ``{"rng", "dataloader"}`` to resume on another number of devices,
+            where each rank's saved RNG and loader position have no counterpart (the
+            resumed epoch then starts its data over, sharded the new way).
         require: a fresh start is an error (default: ``UNBROKEN_REQUIRE_CHECKPOINT=1``).
         async_save: see ``Checkpointer``.
         loss_metric: the name the loss is tracked under (from ``training_step``'s
@@ -111,6 +117,7 @@ class UnbrokenCallback(pl.Callback):
         extra: Mapping[str, Any] | None = None,
         probe: Probe | None = None,
         restore_step: int | None = None,
+        reset: Collection[str] = (),
         require: bool | None = None,
         async_save: bool | str = False,
         loss_metric: str = "loss",
@@ -123,12 +130,17 @@ class UnbrokenCallback(pl.Callback):
         self._options = dict(keep_last=keep_last, probe=probe, async_save=async_save,
                              loss_metric=loss_metric, grad_norm_metric=grad_norm_metric)  # fmt: skip
         self._extra = dict(extra or {})
+        if isinstance(reset, str) or not all(isinstance(name, str) for name in reset):
+            raise TypeError(f"reset must be a collection of component names, got {reset!r}")
         self._restore_step = restore_step
+        self._reset = frozenset(reset)
         self._require = require
         self._loss_metric, self._grad_norm_metric = loss_metric, grad_norm_metric
         self.checkpointer: Checkpointer | None = None
         self.report: RestoreReport | None = None
         self._grad_norm: torch.Tensor | None = None
+        self._module: torch.nn.Module | None = None  # the module holding the trained state
+        self._shard_group: Any = None  # FSDP1's, for the gradient norm
         self._loops: _LoopState | None = None
         self._start(0)
 
@@ -143,17 +155,21 @@ class UnbrokenCallback(pl.Callback):
         fit = _Fit(trainer)
         fit.check_supported(pl_module)
         self._loops = _LoopState(fit)
+        self._module = _lightning_fsdp.trained_module(trainer, pl_module)
         extra = {LOOPS: self._loops, **fit.stateful_parts(), **self._extra}
         self.checkpointer = Checkpointer(
             self._dirpath,
-            model=pl_module,
+            model=self._module,
             optimizer=_one_or_named(trainer.optimizers),
             scheduler=_one_or_named([c.scheduler for c in trainer.lr_scheduler_configs]),
             dataloader=_one_or_named(fit.loaders()),
             extra=extra,
             **self._options,
         )
-        self.report = self.checkpointer.restore(self._restore_step, require=self._require)
+        self._shard_group = _lightning_fsdp.shard_group(self._module)
+        self.report = self.checkpointer.restore(
+            self._restore_step, reset=self._reset, require=self._require
+        )
         self._start(self.report.step)
         if not self.report.restored:
             return
@@ -180,10 +196,10 @@ class UnbrokenCallback(pl.Callback):
     ) -> None:
         if self._grad_norm_metric is None:
             return
-        grads = [p.grad.detach() for p in pl_module.parameters() if p.grad is not None]
-        if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])
-            self._grad_norm = torch.linalg.vector_norm(norms)
+        assert self._module is not None, "on_train_start has not run"
+        norm = _lightning_fsdp.grad_norm(self._module, self._shard_group)
+        if norm is not None:
+            self._grad_norm = norm
 
     def on_train_batch_end(
         self,
@@ -288,10 +304,10 @@ class _Fit:
     def check_supported(self, pl_module: pl.LightningModule) -> None:
         trainer = self.trainer
         where = "UnbrokenCallback"
-        if not isinstance(trainer.strategy, _SUPPORTED_STRATEGIES):
+        if not isinstance(trainer.strategy, _lightning_fsdp.SUPPORTED_STRATEGIES):
             raise CheckpointError(
                 f"{where}: strategy {type(trainer.strategy).__name__} is not supported (its "
-                "exact resume is unverified); use one device or strategy='ddp'"
+                f"exact resume is unverified); use {_lightning_fsdp.SUPPORTED_NAMES}"
             )
         if trainer.ckpt_path is not None:
             raise CheckpointError(

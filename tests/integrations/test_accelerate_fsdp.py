@@ -1,0 +1,172 @@
+"""Accelerate's FSDP plugin (FSDP1 and FSDP2) through ``checkpointer_for``: resumed bit for
+bit on 2 ranks, and resharded from 2 ranks onto 1 and 3.
+
+accelerate 1.15 enters its FSDP code path only on GPU-like devices; the script
+(``scripts/fsdp_accelerate_train.py``) runs it on CPU/gloo under torchrun through a
+documented test-only shim (``fsdp_on_cpu``: the distributed type and the device the
+``AcceleratorState`` branch for GPUs would set). ``prepare`` then wraps the model itself:
+FSDP1 ``FullyShardedDataParallel`` over flat parameters (the plugin's default
+``use_orig_params=False``), FSDP2 ``fully_shard``. Each version costs four launches: the
+resume test (straight, stopped, resumed on 2 ranks), then the stopped run's checkpoint
+restored on 3 ranks with ``reset={"rng", "dataloader"}``; and, in this process, the same
+script without the plugin restoring it into the plain model on one process (refused
+without ``reset``, then with it). The reference for a restore is the state torch's own
+``get_state_dict`` gathered from the stopped run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+
+import unbroken as ub
+from unbroken.testing import resume_test
+
+pytestmark = pytest.mark.e2e
+SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPT = SCRIPTS / "fsdp_accelerate_train.py"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+STEPS, STOP_AT = 10, 5  # 8 steps an epoch on 2 ranks: the resumed run crosses an epoch
+# What prepare() made of the model, and the classes of the parameters the optimizer it
+# hands over holds, by FSDP version (0: the plain process).
+WRAPPED = {0: "Net", 1: "FullyShardedDataParallel", 2: "FSDPNet"}
+PARAMETERS = {0: ["Parameter"], 1: ["FlatParameter"], 2: ["DTensor"]}
+
+
+def _load(name: str):
+    """A module of ``scripts/`` (which import each other by name)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(SCRIPTS))
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+common = _load("fsdp_common")
+script = _load("fsdp_accelerate_train")
+
+
+def _torchrun(ranks: int) -> list[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+            "--master_port", port, str(SCRIPT)]  # fmt: skip
+
+
+def _dump(path: Path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def _one_plain_process(argv: list[str]) -> None:
+    """The script in this process without the plugin: one process, the plain model."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("UNBROKEN_STOP_AT", "ACCELERATE_USE_FSDP", "WORLD_SIZE", "LOCAL_RANK"):
+            mp.delenv(name, raising=False)
+        try:
+            script.main(argv)
+        finally:
+            AcceleratorState._reset_state(True)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["fsdp1", "fsdp2"])
+def runs(request, tmp_path_factory) -> dict:
+    """One FSDP version's runs: the resume test's result and dumps, and the restores of
+    its step-``STOP_AT`` checkpoint on 3 ranks (FSDP) and on one process (plain)."""
+    version = request.param
+    work = tmp_path_factory.mktemp(f"accelerate-fsdp{version}")
+    args = ["--fsdp", str(version), "--steps", str(STEPS)]
+    result = resume_test(
+        [*_torchrun(2), "{dir}", *args, "--dump", "{dir}.dump"],
+        stop_at=STOP_AT, workdir=work, env=ENV, plot=False, timeout=240,
+    )  # fmt: skip
+    saved = work / "resumed" / f"step_{STOP_AT:08d}"
+    resharded = {}
+    for ranks in (3, 1):
+        folder = work / f"on-{ranks}"
+        shutil.copytree(saved, folder / saved.name)
+        if ranks == 1:
+            argv = [str(folder), "--fsdp", "0", "--steps", str(STEPS), "--dump", f"{folder}.dump"]
+            with pytest.raises(ub.IncompleteCheckpointError) as refused:
+                _one_plain_process(argv)  # without reset: the per-rank state has no owner
+            _one_plain_process([*argv, "--reset"])
+        else:
+            done = subprocess.run(
+                [*_torchrun(ranks), str(folder), *args, "--reset", "--dump", f"{folder}.dump"],
+                env=ENV, capture_output=True, text=True, timeout=240,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        resharded[ranks] = folder
+    return {"version": version, "result": result, "work": work, "resharded": resharded,
+            "refused": str(refused.value)}  # fmt: skip
+
+
+def test_two_ranks_resume_bit_exact(runs):
+    """F1/F3 through Accelerate's FSDP (lost optimizer moments, RNG, data position or
+    scheduler): stopped at step 5 and resumed on 2 ranks, every tracked loss and grad norm
+    after it and every final tensor equal the straight run's, bit for bit; the model
+    really was FSDP-wrapped by ``prepare``, with the optimizer over FSDP's parameters."""
+    result, version = runs["result"], runs["version"]
+    assert result.verdict == "IDENTICAL", str(result)
+    assert result.compared_steps == STEPS - STOP_AT
+    assert {"loss", "grad_norm"} <= set(result.metrics)
+    restored = _dump(runs["work"] / "resumed.dump" / f"restored-step{STOP_AT}.pt")
+    assert restored["wrapped"] == WRAPPED[version]
+    assert restored["parameters"] == PARAMETERS[version]
+    assert restored["report"]["components"] == {
+        "model": "restored", "optimizer": "restored", "scheduler": "restored",
+        "accelerator": "restored", "dataloader": "restored", "rng": "restored",
+    }  # fmt: skip
+
+
+def test_two_ranks_restore_the_gathered_state(runs):
+    """F2 at the same world size: the restored shards, gathered by torch, are the
+    stopped run's gathered state at its save (model and AdamW moments and step)."""
+    saved = _dump(runs["work"] / "resumed.dump" / f"end-step{STOP_AT}.pt")
+    restored = _dump(runs["work"] / "resumed.dump" / f"restored-step{STOP_AT}.pt")
+    assert common.differences(restored, saved) == []
+
+
+@pytest.mark.parametrize("ranks", [3, 1])
+def test_reshards_from_two_ranks(runs, ranks):
+    """F2 (a sharded checkpoint bound to its world size) through Accelerate: the 2-rank
+    checkpoint restores onto 3 FSDP ranks (shards of 13 rows cut anew, FSDP1 flat
+    parameters into other flat parameters) and into the plain model of one process, with
+    every model and optimizer tensor bit-equal to the gathered saved state; per-rank RNG
+    and loader position are reset as asked, the rest restored, and training goes on to
+    the last step."""
+    version, folder = runs["version"], runs["resharded"][ranks]
+    saved = _dump(runs["work"] / "resumed.dump" / f"end-step{STOP_AT}.pt")
+    restored = _dump(Path(f"{folder}.dump") / f"restored-step{STOP_AT}.pt")
+    report = restored["report"]
+    assert report["resharded"] and report["verified"]
+    assert (report["saved_world_size"], report["world_size"]) == (2, ranks)
+    assert report["components"] == {
+        "model": "restored", "optimizer": "restored", "scheduler": "restored",
+        "accelerator": "restored", "dataloader": "reset", "rng": "reset",
+    }  # fmt: skip
+    kind = version if ranks > 1 else 0
+    assert restored["wrapped"] == WRAPPED[kind]
+    assert restored["parameters"] == PARAMETERS[kind]
+    assert common.differences(restored, saved) == []
+    assert restored["lr"] == saved["lr"] and restored["accelerator_step"] == 2 * STOP_AT
+    assert (Path(f"{folder}.dump") / f"end-step{STEPS}.pt").exists()
+
+
+def test_another_world_size_without_reset_is_refused(runs):
+    """F3 (per-rank state silently mis-assigned or dropped): restoring the 2-rank
+    checkpoint on one process without ``reset`` is refused before anything changes,
+    naming the per-rank components and the ``reset=`` that starts them fresh."""
+    message = runs["refused"]
+    assert "per-rank state saved by 2 rank(s), not mappable onto 1" in message, message
+    assert "reset={" in message and "'rng'" in message and "'dataloader'" in message

@@ -1,0 +1,204 @@
+"""``UnbrokenCallback`` under Lightning's FSDP strategies: ``FSDPStrategy`` (FSDP1) and
+``ModelParallelStrategy`` (FSDP2 ``fully_shard`` in ``configure_model``), resumed bit for
+bit on 2 CPU processes (gloo), and resharded from 2 processes onto 3 and onto one.
+
+The script (``scripts/fsdp_lightning_train.py``) runs under torchrun, whose workers
+start together (Lightning's own launcher starts them one after the other). FSDP1 runs
+through a documented test-only subclass of ``FSDPStrategy`` (Lightning refuses FSDP1 on
+the CPU, and its wrapping passes ``device_id=None``, which torch's FSDP1 takes to mean an
+accelerator); FSDP2 runs unchanged. Each version costs four launches: the resume test
+(straight, stopped, resumed on 2), then the stopped run's checkpoint restored on 3 with
+``reset={"rng", "dataloader"}``; and, in this process, the same script without FSDP on
+one device restoring it into the plain module (refused without ``reset``, then with it).
+The reference for a restore is the state torch's own ``get_state_dict`` gathered from the
+stopped run at its save.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import unbroken as ub
+from unbroken.integrations.lightning import UnbrokenCallback
+from unbroken.proof.series import read_series
+from unbroken.testing import resume_test
+
+pytestmark = pytest.mark.e2e
+SCRIPTS = Path(__file__).parent / "scripts"
+SCRIPT = SCRIPTS / "fsdp_lightning_train.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+STEPS, STOP_AT = 12, 6  # 16 batches an epoch on 2 processes: stopped mid-epoch
+VERSIONS = {1: "fsdp1", 2: "fsdp2"}
+# What ``trainer.model`` is, and the classes of the parameters the optimizer holds, by
+# FSDP version (0: one device without FSDP).
+WRAPPED = {0: "Regressor", 1: "FullyShardedDataParallel", 2: "Regressor"}
+PARAMETERS = {0: ["Parameter"], 1: ["Parameter"], 2: ["DTensor"]}  # FSDP1: use_orig_params
+
+
+def _load(name: str):
+    """A module of ``scripts/`` (which import each other by name)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(SCRIPTS))
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return module
+
+
+common = _load("fsdp_common")
+script = _load("fsdp_lightning_train")
+
+
+def _torchrun(processes: int) -> list[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+            "--master_port", port, str(SCRIPT)]  # fmt: skip
+
+
+def _dump(path: Path) -> dict:
+    return torch.load(path, weights_only=False)
+
+
+def _one_device(argv: list[str]) -> None:
+    """The script in this process without FSDP: one device, the plain module."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("UNBROKEN_STOP_AT", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+            mp.delenv(name, raising=False)
+        script.main(argv)
+
+
+def _run(work: Path, version: int) -> dict:
+    args = ["--fsdp", str(version), "--steps", str(STEPS)]
+    result = resume_test(
+        [*_torchrun(2), "{dir}", *args, "--devices", "2", "--dump", "{dir}.dump"],
+        stop_at=STOP_AT, workdir=work, env=ENV, plot=False, timeout=240,
+    )  # fmt: skip
+    saved = work / "resumed" / f"step_{STOP_AT:08d}"
+    resharded = {}
+    for devices in (3, 1):
+        folder = work / f"on-{devices}"
+        shutil.copytree(saved, folder / saved.name)
+        dump = ["--dump", f"{folder}.dump"]
+        if devices == 1:
+            argv = [str(folder), "--fsdp", "0", "--steps", str(STEPS), "--devices", "1", *dump]
+            with pytest.raises(ub.IncompleteCheckpointError) as refused:
+                _one_device(argv)  # without reset: the per-rank state has no owner
+            _one_device([*argv, "--reset"])
+        else:
+            done = subprocess.run(
+                [*_torchrun(3), str(folder), *args, "--devices", "3", "--reset", *dump],
+                env=ENV, capture_output=True, text=True, timeout=240,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        resharded[devices] = folder
+    return {"result": result, "work": work, "resharded": resharded, "refused": str(refused.value)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[int, dict]:
+    """Per FSDP version: the resume test's result and dumps, and the restores of its
+    step-``STOP_AT`` checkpoint on 3 processes (FSDP) and on one device (plain)."""
+    return {v: _run(tmp_path_factory.mktemp(name), v) for v, name in VERSIONS.items()}
+
+
+@pytest.mark.parametrize("version", VERSIONS, ids=VERSIONS.values())
+def test_two_processes_resume_bit_exact(runs, version):
+    """F1/F3 under FSDP (lost optimizer moments, RNG, data position, loop state): stopped
+    at step 6, mid-epoch, and resumed on 2 processes, every tracked loss and grad norm
+    after it and every final tensor equal the straight run's, bit for bit; the strategy
+    really sharded the model (FSDP1's wrapper, FSDP2's DTensors)."""
+    result = runs[version]["result"]
+    assert result.verdict == "IDENTICAL", str(result)
+    assert result.compared_steps == STEPS - STOP_AT
+    assert {"loss", "grad_norm"} <= set(result.metrics)
+    restored = _dump(runs[version]["work"] / "resumed.dump" / f"restored-step{STOP_AT}.pt")
+    assert restored["wrapped"] == WRAPPED[version]
+    assert restored["parameters"] == PARAMETERS[version]
+    assert set(restored["report"]["components"].values()) == {"restored"}
+    assert restored["global_step"] == STOP_AT
+
+
+@pytest.mark.parametrize("version", VERSIONS, ids=VERSIONS.values())
+def test_two_processes_restore_the_gathered_state(runs, version):
+    """F2 at the same world size: the restored shards, gathered by torch, are the stopped
+    run's gathered state at its save (model, AdamW moments and step, learning rate)."""
+    dumps = runs[version]["work"] / "resumed.dump"
+    saved, restored = (
+        _dump(dumps / f"end-step{STOP_AT}.pt"),
+        _dump(dumps / f"restored-step{STOP_AT}.pt"),
+    )
+    assert common.differences(restored, saved) == []
+    assert restored["lr"] == saved["lr"]
+
+
+@pytest.mark.parametrize("devices", [3, 1])
+@pytest.mark.parametrize("version", VERSIONS, ids=VERSIONS.values())
+def test_reshards_from_two_processes(runs, version, devices):
+    """F2 (a sharded checkpoint bound to its world size) through the callback: the
+    2-process checkpoint restores onto 3 FSDP processes (shards of 13 rows cut anew) and
+    into the plain module on one device, every model and optimizer tensor bit-equal to
+    the gathered saved state; ``reset={"rng", "dataloader"}`` starts the per-rank state
+    fresh, the loop state is restored (step 7 is batch 6 of epoch 0, as Lightning counts;
+    the reset loader starts the epoch's data over), and training goes on to the last
+    step."""
+    folder = runs[version]["resharded"][devices]
+    saved = _dump(runs[version]["work"] / "resumed.dump" / f"end-step{STOP_AT}.pt")
+    restored = _dump(Path(f"{folder}.dump") / f"restored-step{STOP_AT}.pt")
+    report = restored["report"]
+    assert report["resharded"] and report["verified"]
+    assert (report["saved_world_size"], report["world_size"]) == (2, devices)
+    assert report["components"] == {
+        "model": "restored", "optimizer": "restored", "scheduler": "restored",
+        "lightning_loops": "restored", "dataloader": "reset", "rng": "reset",
+    }  # fmt: skip
+    kind = version if devices > 1 else 0
+    assert restored["wrapped"] == WRAPPED[kind]
+    assert restored["parameters"] == PARAMETERS[kind]
+    assert common.differences(restored, saved) == []
+    assert restored["lr"] == saved["lr"] and restored["global_step"] == STOP_AT
+    end = _dump(Path(f"{folder}.dump") / f"end-step{STEPS}.pt")
+    assert sorted(end["positions"]) == list(range(STOP_AT + 1, STEPS + 1))
+    assert end["positions"][STOP_AT + 1] == (0, STOP_AT)
+
+
+def test_grad_norm_is_the_whole_models(runs):
+    """The tracked gradient norm (what the post-resume health check reads) is the whole
+    model's, not one rank's shard: FSDP1 sums the squares of flat-gradient shards over
+    the process group, FSDP2 lets DTensor reduce; two different reductions of the same
+    gradients, so they agree to rounding (a shard's norm would be far off), and they
+    cannot be compared bit for bit."""
+    norms = {
+        v: dict(read_series(runs[v]["work"] / "straight").values["grad_norm"]) for v in VERSIONS
+    }
+    assert sorted(norms[1]) == sorted(norms[2]) == list(range(1, STEPS + 1))
+    for step, value in norms[1].items():
+        assert math.isclose(value, norms[2][step], rel_tol=1e-5), (step, value, norms[2][step])
+
+
+@pytest.mark.parametrize("version", VERSIONS, ids=VERSIONS.values())
+def test_another_world_size_without_reset_is_refused(runs, version):
+    """F3 (per-rank state silently mis-assigned or dropped): the 2-process checkpoint on
+    one device without ``reset`` is refused when training starts, naming the per-rank
+    components and the ``reset=`` that starts them fresh (the callback's option too)."""
+    message = runs[version]["refused"]
+    assert "per-rank state saved by 2 rank(s), not mappable onto 1" in message, message
+    assert "reset={" in message and "'rng'" in message and "'dataloader'" in message
+
+
+def test_reset_takes_component_names(tmp_path):
+    """``reset`` is a collection of component names; one name given as a string (whose
+    letters would each be taken for a component) is refused when the callback is made."""
+    with pytest.raises(TypeError, match="reset must be a collection"):
+        UnbrokenCallback(tmp_path, reset="rng")
