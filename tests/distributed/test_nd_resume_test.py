@@ -1,5 +1,5 @@
 """``unbroken resume-test`` under torchrun for the layouts beyond one dimension (issue 28):
-FSDP2 + tensor parallel, FSDP2 + expert parallel and FSDP2 HSDP on (2, 2), and four
+FSDP2 + tensor parallel and FSDP2 HSDP on (2, 2), and four
 pipeline stages, stopped and resumed in the same layout: every tracked loss after the
 stop and the final state's fingerprints identical (DESIGN.md F1-F5 seen from the
 outside, on a learnable task)."""
@@ -22,7 +22,8 @@ def _port() -> str:
         return str(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("layout", ["tp", "ep", "hsdp", "pp"])
+# Expert parallel is resumed bit for bit in test_expert_parallel.py (kept out here for CI time).
+@pytest.mark.parametrize("layout", ["tp", "hsdp", "pp"])
 def test_resume_test_is_identical_under_torchrun(tmp_path, layout):
     from unbroken.testing import resume_test
 
