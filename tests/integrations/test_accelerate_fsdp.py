@@ -16,23 +16,20 @@ without ``reset``, then with it). The reference for a restore is the state torch
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 from accelerate.state import AcceleratorState
 
 import unbroken as ub
 from unbroken.testing import resume_test
 
+from .fsdp_runs import SCRIPTS, load_dump, load_script, torchrun
+
 pytestmark = pytest.mark.e2e
-SCRIPTS = Path(__file__).parent / "scripts"
 SCRIPT = SCRIPTS / "fsdp_accelerate_train.py"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 STEPS, STOP_AT = 10, 5  # 8 steps an epoch on 2 ranks: the resumed run crosses an epoch
@@ -42,30 +39,8 @@ WRAPPED = {0: "Net", 1: "FullyShardedDataParallel", 2: "FSDPNet"}
 PARAMETERS = {0: ["Parameter"], 1: ["FlatParameter"], 2: ["DTensor"]}
 
 
-def _load(name: str):
-    """A module of ``scripts/`` (which import each other by name)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(SCRIPTS))
-        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module
-
-
-common = _load("fsdp_common")
-script = _load("fsdp_accelerate_train")
-
-
-def _torchrun(ranks: int) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-            "--master_port", port, str(SCRIPT)]  # fmt: skip
-
-
-def _dump(path: Path) -> dict:
-    return torch.load(path, weights_only=False)
+common = load_script("fsdp_common")
+script = load_script("fsdp_accelerate_train")
 
 
 def _one_plain_process(argv: list[str]) -> None:
@@ -87,7 +62,7 @@ def runs(request, tmp_path_factory) -> dict:
     work = tmp_path_factory.mktemp(f"accelerate-fsdp{version}")
     args = ["--fsdp", str(version), "--steps", str(STEPS)]
     result = resume_test(
-        [*_torchrun(2), "{dir}", *args, "--dump", "{dir}.dump"],
+        [*torchrun(SCRIPT, 2), "{dir}", *args, "--dump", "{dir}.dump"],
         stop_at=STOP_AT, workdir=work, env=ENV, plot=False, timeout=240,
     )  # fmt: skip
     saved = work / "resumed" / f"step_{STOP_AT:08d}"
@@ -102,7 +77,7 @@ def runs(request, tmp_path_factory) -> dict:
             _one_plain_process([*argv, "--reset"])
         else:
             done = subprocess.run(
-                [*_torchrun(ranks), str(folder), *args, "--reset", "--dump", f"{folder}.dump"],
+                [*torchrun(SCRIPT, ranks), str(folder), *args, "--reset", "--dump", f"{folder}.dump"],
                 env=ENV, capture_output=True, text=True, timeout=240,
             )  # fmt: skip
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -120,7 +95,7 @@ def test_two_ranks_resume_bit_exact(runs):
     assert result.verdict == "IDENTICAL", str(result)
     assert result.compared_steps == STEPS - STOP_AT
     assert {"loss", "grad_norm"} <= set(result.metrics)
-    restored = _dump(runs["work"] / "resumed.dump" / f"restored-step{STOP_AT}.pt")
+    restored = load_dump(runs["work"] / "resumed.dump" / f"restored-step{STOP_AT}.pt")
     assert restored["wrapped"] == WRAPPED[version]
     assert restored["parameters"] == PARAMETERS[version]
     assert restored["report"]["components"] == {
@@ -132,8 +107,8 @@ def test_two_ranks_resume_bit_exact(runs):
 def test_two_ranks_restore_the_gathered_state(runs):
     """F2 at the same world size: the restored shards, gathered by torch, are the
     stopped run's gathered state at its save (model and AdamW moments and step)."""
-    saved = _dump(runs["work"] / "resumed.dump" / f"end-step{STOP_AT}.pt")
-    restored = _dump(runs["work"] / "resumed.dump" / f"restored-step{STOP_AT}.pt")
+    saved = load_dump(runs["work"] / "resumed.dump" / f"end-step{STOP_AT}.pt")
+    restored = load_dump(runs["work"] / "resumed.dump" / f"restored-step{STOP_AT}.pt")
     assert common.differences(restored, saved) == []
 
 
@@ -146,8 +121,8 @@ def test_reshards_from_two_ranks(runs, ranks):
     and loader position are reset as asked, the rest restored, and training goes on to
     the last step."""
     version, folder = runs["version"], runs["resharded"][ranks]
-    saved = _dump(runs["work"] / "resumed.dump" / f"end-step{STOP_AT}.pt")
-    restored = _dump(Path(f"{folder}.dump") / f"restored-step{STOP_AT}.pt")
+    saved = load_dump(runs["work"] / "resumed.dump" / f"end-step{STOP_AT}.pt")
+    restored = load_dump(Path(f"{folder}.dump") / f"restored-step{STOP_AT}.pt")
     report = restored["report"]
     assert report["resharded"] and report["verified"]
     assert (report["saved_world_size"], report["world_size"]) == (2, ranks)

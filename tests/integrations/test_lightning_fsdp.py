@@ -16,25 +16,22 @@ stopped run at its save.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import unbroken as ub
 from unbroken.integrations.lightning import UnbrokenCallback
 from unbroken.proof.series import read_series
 from unbroken.testing import resume_test
 
+from .fsdp_runs import SCRIPTS, load_dump, load_script, torchrun
+
 pytestmark = pytest.mark.e2e
-SCRIPTS = Path(__file__).parent / "scripts"
 SCRIPT = SCRIPTS / "fsdp_lightning_train.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 STEPS, STOP_AT = 12, 6  # 16 batches an epoch on 2 processes: stopped mid-epoch
@@ -45,30 +42,8 @@ WRAPPED = {0: "Regressor", 1: "FullyShardedDataParallel", 2: "Regressor"}
 PARAMETERS = {0: ["Parameter"], 1: ["Parameter"], 2: ["DTensor"]}  # FSDP1: use_orig_params
 
 
-def _load(name: str):
-    """A module of ``scripts/`` (which import each other by name)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(SCRIPTS))
-        spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return module
-
-
-common = _load("fsdp_common")
-script = _load("fsdp_lightning_train")
-
-
-def _torchrun(processes: int) -> list[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
-            "--master_port", port, str(SCRIPT)]  # fmt: skip
-
-
-def _dump(path: Path) -> dict:
-    return torch.load(path, weights_only=False)
+common = load_script("fsdp_common")
+script = load_script("fsdp_lightning_train")
 
 
 def _one_device(argv: list[str]) -> None:
@@ -82,7 +57,7 @@ def _one_device(argv: list[str]) -> None:
 def _run(work: Path, version: int) -> dict:
     args = ["--fsdp", str(version), "--steps", str(STEPS)]
     result = resume_test(
-        [*_torchrun(2), "{dir}", *args, "--devices", "2", "--dump", "{dir}.dump"],
+        [*torchrun(SCRIPT, 2), "{dir}", *args, "--devices", "2", "--dump", "{dir}.dump"],
         stop_at=STOP_AT, workdir=work, env=ENV, plot=False, timeout=240,
     )  # fmt: skip
     saved = work / "resumed" / f"step_{STOP_AT:08d}"
@@ -98,7 +73,7 @@ def _run(work: Path, version: int) -> dict:
             _one_device([*argv, "--reset"])
         else:
             done = subprocess.run(
-                [*_torchrun(3), str(folder), *args, "--devices", "3", "--reset", *dump],
+                [*torchrun(SCRIPT, 3), str(folder), *args, "--devices", "3", "--reset", *dump],
                 env=ENV, capture_output=True, text=True, timeout=240,
             )  # fmt: skip
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -123,7 +98,7 @@ def test_two_processes_resume_bit_exact(runs, version):
     assert result.verdict == "IDENTICAL", str(result)
     assert result.compared_steps == STEPS - STOP_AT
     assert {"loss", "grad_norm"} <= set(result.metrics)
-    restored = _dump(runs[version]["work"] / "resumed.dump" / f"restored-step{STOP_AT}.pt")
+    restored = load_dump(runs[version]["work"] / "resumed.dump" / f"restored-step{STOP_AT}.pt")
     assert restored["wrapped"] == WRAPPED[version]
     assert restored["parameters"] == PARAMETERS[version]
     assert set(restored["report"]["components"].values()) == {"restored"}
@@ -136,8 +111,8 @@ def test_two_processes_restore_the_gathered_state(runs, version):
     run's gathered state at its save (model, AdamW moments and step, learning rate)."""
     dumps = runs[version]["work"] / "resumed.dump"
     saved, restored = (
-        _dump(dumps / f"end-step{STOP_AT}.pt"),
-        _dump(dumps / f"restored-step{STOP_AT}.pt"),
+        load_dump(dumps / f"end-step{STOP_AT}.pt"),
+        load_dump(dumps / f"restored-step{STOP_AT}.pt"),
     )
     assert common.differences(restored, saved) == []
     assert restored["lr"] == saved["lr"]
@@ -154,8 +129,8 @@ def test_reshards_from_two_processes(runs, version, devices):
     the reset loader starts the epoch's data over), and training goes on to the last
     step."""
     folder = runs[version]["resharded"][devices]
-    saved = _dump(runs[version]["work"] / "resumed.dump" / f"end-step{STOP_AT}.pt")
-    restored = _dump(Path(f"{folder}.dump") / f"restored-step{STOP_AT}.pt")
+    saved = load_dump(runs[version]["work"] / "resumed.dump" / f"end-step{STOP_AT}.pt")
+    restored = load_dump(Path(f"{folder}.dump") / f"restored-step{STOP_AT}.pt")
     report = restored["report"]
     assert report["resharded"] and report["verified"]
     assert (report["saved_world_size"], report["world_size"]) == (2, devices)
@@ -168,7 +143,7 @@ def test_reshards_from_two_processes(runs, version, devices):
     assert restored["parameters"] == PARAMETERS[kind]
     assert common.differences(restored, saved) == []
     assert restored["lr"] == saved["lr"] and restored["global_step"] == STOP_AT
-    end = _dump(Path(f"{folder}.dump") / f"end-step{STEPS}.pt")
+    end = load_dump(Path(f"{folder}.dump") / f"end-step{STEPS}.pt")
     assert sorted(end["positions"]) == list(range(STOP_AT + 1, STEPS + 1))
     assert end["positions"][STOP_AT + 1] == (0, STOP_AT)
 
