@@ -40,6 +40,11 @@ def _worker(fn, rank, world, port, args, queue) -> None:
             dist.destroy_process_group()
     except BaseException as exc:
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    # Delivered now, not at exit: a gloo process can abort during interpreter finalization
+    # (a torch-level exit problem, seen once), and the queue's feeder thread would lose the
+    # result with it; the parent then waited out its timeout on a test that had passed.
+    queue.close()
+    queue.join_thread()
 
 
 def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240) -> list[Any]:
