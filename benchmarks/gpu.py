@@ -22,6 +22,8 @@ writes any run's page to PATH). Never asserts timings.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -203,7 +205,10 @@ class Run:
 
 
 def revision() -> str:
-    """``git rev-parse --short HEAD``, ``+dirty`` if the working tree has changes."""
+    """``git rev-parse --short HEAD``, ``+dirty`` if the working tree has changes (or
+    ``UNBROKEN_REVISION`` where the tree was copied without its git folder)."""
+    if os.environ.get("UNBROKEN_REVISION"):
+        return os.environ["UNBROKEN_REVISION"]
 
     def git(*a: str) -> str:
         return subprocess.run(["git", "-C", str(ROOT), *a], capture_output=True, text=True,
@@ -301,6 +306,8 @@ def main() -> None:
     parser.add_argument("--write", default=None, metavar="PATH",
                         help=f"write the page to PATH (default: {PAGE.path} after a full run "
                         "on a GPU; nothing otherwise)")  # fmt: skip
+    parser.add_argument("--results", default=None, metavar="PATH",
+                        help="also write the raw figures as JSON to PATH")  # fmt: skip
     args = parser.parse_args()
     # DCP without a process group says so, also from its async writer's thread.
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -339,7 +346,13 @@ def main() -> None:
     log(f"  measured in {time.perf_counter() - started:.0f} s")
     run = Run(fig, device.type == "cuda", nbytes, verified)
     command = shown_command("gpu.py", sys.argv[1:])
-    md = render(run, info, command, time.perf_counter() - started, runs)
+    elapsed = time.perf_counter() - started
+    md = render(run, info, command, elapsed, runs)
+    if args.results:
+        Path(args.results).write_text(json.dumps({
+            "info": info, "figures": fig, "cuda": run.cuda, "nbytes": nbytes,
+            "verified": verified, "command": command, "elapsed": elapsed, "runs": runs,
+        }, indent=1))  # fmt: skip
     out = Report(PAGE if page else None, write_docs=page)
     out.publish(md, lambda: md)
 
