@@ -42,9 +42,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from common import git_revision, machine_info
-from docs_sections import ROOT, Page
-from report import Report, bullets, shown_command, table
+from common import ROOT, git_revision, machine_info
+from report import Page, Report, bullets, shown_command, table
 from unbroken.proof.runs import RunFailed, run
 from unbroken.storage.locate import location
 

@@ -35,9 +35,8 @@ import torch
 
 import health_report
 import unbroken as ub
-from docs_sections import HEALTH
 from health_scripts import BUGS, SCRIPTS, Progress, Script
-from report import Report
+from report import HEALTH, Report
 from unbroken.proof import health_check as monitor
 from unbroken.proof.health_check import HORIZON, JUDGED, HealthCheck
 from unbroken.proof.run_record import METRICS_WINDOW

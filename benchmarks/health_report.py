@@ -6,8 +6,7 @@ import itertools
 import statistics
 from typing import Any
 
-from common import git_revision, machine_info
-from docs_sections import ROOT
+from common import ROOT, git_revision, machine_info
 from report import table
 
 TARGET_FALSE_ALARMS = 0.01  # at most, of exact resumes

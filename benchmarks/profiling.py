@@ -1,6 +1,6 @@
 """Where ours spends its time: cProfile of a save and of cold restores.
 
-    python benchmarks/save_restore.py --sizes 1200 --profile [--top 25]
+    python benchmarks/save_restore.py --sizes 1200 --profile [--top 25] [--device cuda]
 
 Each case runs once unprofiled (its plain wall time) and once under cProfile. Threads
 that the call starts (e.g. a fingerprint worker) get their own profiler and are listed
@@ -9,6 +9,7 @@ separately; threads that existed before the call are not seen.
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import pstats
 import shutil
@@ -19,9 +20,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import paths
-import unbroken as ub
-from common import build_state, drop_page_cache, fresh_like, state_bytes
+import torch
+
+from common import build_state, drop_page_cache, fresh_like, state_bytes, synchronize
+from contenders import Ours, restore
 from report import table
 
 
@@ -109,47 +111,47 @@ def report(profiles: ThreadProfiles, wall: float, top: int) -> str:
     return "\n".join(parts)
 
 
-def profile(mb: float, width: int, tmp: str, top: int) -> str:
-    """Profile ours' save, restore into fresh objects and into existing ones (cold): the
-    tables of each (:func:`report`)."""
-    model, opt = build_state(mb, width)
+def profile(mb: float, width: int, tmp: str, top: int, device: torch.device) -> str:
+    """Profile ours' save, restore into fresh objects (CPU only: a resumed process builds
+    them there first) and into the existing ones, cold: the tables of each
+    (:func:`report`)."""
+    model, opt = build_state(mb, width, device)
     nbytes = state_bytes(model, opt)
     root = Path(tempfile.mkdtemp(prefix="ub-profile-", dir=tmp))
-    d = str(root / "ours")
-    steps = iter(range(1, 1_000_000))
     fresh: list = []
     out = []
     try:
-        ckpt = ub.Checkpointer(d, model=model, optimizer=opt, keep_last=None)
-        ckpt.save(next(steps))  # warm-up: first-call costs are not what we are after
+        ours = Ours(root, model, opt, device)
+        ours.save()  # warm-up: first-call costs are not what we are after
 
         def fresh_objects() -> None:
-            fresh.clear()
-            fresh.extend(fresh_like(model))
-            drop_page_cache([d])
+            fresh[:] = fresh_like(model)
+            drop_page_cache([str(ours.dir)])
 
         cases: list[tuple[str, Callable[[], object], Callable[[], object]]] = [
-            ("save (sync)", lambda: ckpt.save(next(steps)),
-             lambda: paths.clear_steps(d)),
-            ("restore, fresh objects", lambda: paths.ours_restore(d, *fresh), fresh_objects),
-            ("restore, existing objects", lambda: paths.ours_restore(d, model, opt),
-             lambda: drop_page_cache([d])),
+            ("save (sync)", ours.save, ours.clear),
+            ("restore, existing objects", lambda: restore("ours", ours.dir, model, opt),
+             lambda: drop_page_cache([str(ours.dir)])),
         ]  # fmt: skip
+        if device.type == "cpu":
+            cases.insert(1, ("restore, fresh objects", lambda: restore("ours", ours.dir, *fresh),
+                             fresh_objects))  # fmt: skip
         for name, fn, setup in cases:
-            setup()
-            start = time.perf_counter()
-            fn()
-            plain = time.perf_counter() - start
-            setup()
-            with ThreadProfiles() as profiles:
-                start = time.perf_counter()
-                fn()
-                wall = time.perf_counter() - start
+            timings = []
+            for profiled in (False, True):
+                setup()
+                synchronize(device)
+                with ThreadProfiles() if profiled else contextlib.nullcontext() as profiles:
+                    start = time.perf_counter()
+                    fn()
+                    synchronize(device)
+                    timings.append(time.perf_counter() - start)
+            plain, wall = timings
             out.append(
-                f"== cProfile of ours, {name}: {nbytes / 1e9:.2f} GB; {plain:.3f} s "
+                f"== cProfile of ours, {name}: {nbytes / 1e9:.2f} GB on {device}; {plain:.3f} s "
                 f"unprofiled, {wall:.3f} s under the profiler\n{report(profiles, wall, top)}"
             )
-        ckpt.close()
+        ours.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return "\n\n".join(out)

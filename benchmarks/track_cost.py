@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 import unbroken as ub
-from common import machine
-from report import Report, median_span, table
+from common import machine_info
+from report import Report, inline, median_span, table
 
 
 def _per_call(calls: int, tensors: bool, replaying: bool) -> float:
@@ -60,7 +60,9 @@ def main() -> None:
             run = "resumed, replay check comparing" if replaying else "fresh run"
             rows.append([kind, run, *median_span(runs, digits=1)])
     Report().publish(
-        machine() + "\n" + table(["metrics", "run", "us per call (median)", "min-max"], rows)
+        inline(machine_info(tempfile.gettempdir()))
+        + "\n"
+        + table(["metrics", "run", "us per call (median)", "min-max"], rows)
     )
 
 

@@ -1,0 +1,207 @@
+"""The multi-rank half of the suite's part ``single``: FSDP2 on ``--ranks`` processes.
+
+:func:`launch` runs this file under ``torch.distributed.run --standalone`` (gloo,
+``OMP_NUM_THREADS=1``) and returns what rank 0 wrote:
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \\
+        benchmarks/part_ranks.py --mb 300 --repeats 5 --dir /tmp/x --out /tmp/x.json
+
+The same Linear layers + AdamW state as ``common.build_state``, built on the meta device,
+sharded with ``fully_shard`` per layer and at the root over a CPU mesh, then
+materialized. Times are taken on rank 0 between barriers (the slowest rank decides);
+peak extra RSS is per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from common import PeakRSS, drop_page_cache, layer_count, one_line, release_free_memory, rotated
+from contenders import DcpSave, Ours, clear, read_files_new, restore
+
+HERE = Path(__file__).resolve()
+
+
+def launch(
+    mb: float, width: int, repeats: int, root: Path, ranks: int, timeout: float, log
+) -> dict:
+    """The multi-rank measurements, as a dict (``{"error": ...}`` where they failed)."""
+    out = root / "fsdp.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+        str(ranks), str(HERE), "--mb", str(mb), "--width", str(width), "--repeats",
+        str(repeats), "--dir", str(root / "fsdp"), "--out", str(out),
+    ]  # fmt: skip
+    log(f"  {ranks}-rank FSDP2 under torchrun ...")
+    try:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"torchrun did not finish within {timeout:.0f} s"}
+    finally:
+        clear(root / "fsdp")
+    if proc.returncode != 0 or not out.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        return {"error": f"torchrun exited {proc.returncode}: " + " | ".join(tail)}
+    return json.loads(out.read_text())
+
+
+def build(total_mb: float, width: int, mesh: DeviceMesh, *, seed: int, trained: bool):
+    """The model sharded on the meta device, then materialized; ``trained``: AdamW after
+    one step, else a fresh AdamW without state."""
+    with torch.device("meta"):
+        layers = layer_count(total_mb, width)
+        model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(1000 * seed + dist.get_rank())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(0, width**-0.5, generator=gen)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if trained:
+        for p in model.parameters():
+            local = torch.randn(p.to_local().shape, generator=gen)
+            p.grad = DTensor.from_local(
+                local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            )
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def local_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's shard of the state."""
+    tensors = [*model.parameters(), *(t for s in opt.state.values() for t in s.values())]
+    locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in locals_)
+
+
+class Case:
+    """One path: timed between barriers on every rank; a failure is recorded, not raised."""
+
+    def __init__(self, name: str, fn: Callable[[], object], setup=None, teardown=None) -> None:
+        self.name, self.fn, self.setup, self.teardown = name, fn, setup, teardown
+        self.times: list[float] = []
+        self.peak = 0
+        self.error: str | None = None
+
+    def run_once(self) -> None:
+        if self.error is not None:
+            return
+        try:
+            if self.setup is not None:
+                self.setup()
+            release_free_memory()
+            dist.barrier()
+            with PeakRSS() as mem:
+                start = time.perf_counter()
+                self.fn()
+                dist.barrier()
+                self.times.append(time.perf_counter() - start)
+            self.peak = max(self.peak, mem.extra)
+            if self.teardown is not None:
+                self.teardown()
+        except Exception as exc:
+            self.error = one_line(exc)
+            traceback.print_exc()
+
+    def result(self) -> dict:
+        peaks: list[int] = [0] * dist.get_world_size()
+        dist.all_gather_object(peaks, self.peak)
+        return {"times": self.times, "peak_extra": peaks, "error": self.error}
+
+
+def worker(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    mesh = init_device_mesh("cpu", (world,))
+    model, opt = build(args.mb, args.width, mesh, seed=0, trained=True)
+    cpu = torch.device("cpu")
+    ours, raw = Ours(Path(args.dir), model, opt, cpu), DcpSave(Path(args.dir), model, opt, cpu)
+
+    def on_rank0(fn: Callable[[], object]) -> Callable[[], None]:
+        def call() -> None:
+            if rank == 0:
+                fn()
+            dist.barrier()
+
+        return call
+
+    fresh: list = []
+
+    def build_fresh() -> None:
+        fresh.clear()
+        release_free_memory()
+        fresh.extend(build(args.mb, args.width, mesh, seed=1, trained=False))
+        on_rank0(lambda: drop_page_cache([str(ours.dir)]))()
+
+    def own_shard_files() -> list[str]:
+        """This rank's files in the step ours saved this round (docs/format.md:
+        ``rank_NNNNN.bin``, and ``rank_NNNNN.1.bin``, ... where a shard is split)."""
+        return sorted(str(p) for p in ours.dir.glob(f"step_*/rank_{rank:05d}.*bin"))
+
+    cold = lambda c: on_rank0(lambda: drop_page_cache([str(c.latest())]))  # noqa: E731
+    # Round-robin, like the one-process cases: each round's restores read its saves.
+    saves = [
+        Case("ours save", ours.save, on_rank0(ours.clear)),
+        Case("raw DCP save (thread_count=1)", raw.save, on_rank0(raw.clear)),
+    ]
+    restores = [
+        Case("ours restore, fresh objects", lambda: restore("ours", ours.dir, *fresh),
+             build_fresh, fresh.clear),
+        Case("ours restore, existing objects", lambda: restore("ours", ours.dir, model, opt),
+             cold(ours)),
+        Case("raw DCP load, existing objects", lambda: restore("dcp", raw.latest(), model, opt),
+             cold(raw)),
+        # After building fresh objects, as "ours restore, fresh objects" (a resumed job
+        # has built its model before it reads).
+        Case("cold read into new tensors", lambda: read_files_new(own_shard_files()),
+             build_fresh, fresh.clear),
+    ]  # fmt: skip
+    for i in range(args.repeats):  # saves, then restores, each rotated by one per round
+        for group in (saves, restores):
+            for case in rotated(group, i):
+                case.run_once()
+    ours.close()
+    results = {c.name: c.result() for c in saves + restores}
+    shard = [0] * world
+    dist.all_gather_object(shard, local_bytes(model, opt))
+    if rank == 0:
+        result = {"world": world, "shard_bytes": shard, "cases": results}
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--mb", type=float, required=True)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dir", required=True, help="scratch folder (removed by the caller)")
+    parser.add_argument("--out", required=True, help="JSON results (written by rank 0)")
+    worker(parser.parse_args())
+    # The results are written. Skip the interpreter's finalization: gloo's worker threads
+    # outlive destroy_process_group and one releasing a tensor then aborts the process
+    # (SIGABRT; seen here at 0.3 GB; docs/pitfalls.md).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
