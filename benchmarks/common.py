@@ -12,8 +12,10 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -119,24 +121,56 @@ class Measurement:
         return min(self.times)
 
 
-def measure_once(
-    fn: Callable[[], object],
-    setup: Callable[[], object] | None = None,
-    teardown: Callable[[], object] | None = None,
-) -> Measurement:
-    """One run of ``fn``: its seconds and peak extra RSS. ``setup`` and ``teardown`` run
-    untimed around it; free memory is handed back to the OS before the baseline."""
-    if setup is not None:
-        setup()
-    release_free_memory()
-    with PeakRSS() as mem:
-        start = time.perf_counter()
-        result = fn()
-        seconds = time.perf_counter() - start
-        del result  # freeing what fn returned is not part of its time
-    if teardown is not None:
-        teardown()
-    return Measurement([seconds], mem.extra)
+@dataclasses.dataclass
+class Case:
+    """One path a benchmark runs once per round: ``fn`` timed, with its peak extra RSS;
+    ``setup`` and ``teardown`` untimed around it (free memory is handed back to the OS
+    before the baseline); ``barrier``, a multi-rank run's, before the clock starts and
+    again before it stops, so that the slowest rank decides. A failure is recorded, and
+    the case is not run again."""
+
+    key: str
+    label: str
+    fn: Callable[[], object]
+    setup: Callable[[], object] | None = None
+    teardown: Callable[[], object] | None = None
+    barrier: Callable[[], object] = lambda: None
+    times: list[float] = dataclasses.field(default_factory=list)
+    peak: int = 0
+    error: str | None = None
+
+    def run_once(self) -> None:
+        if self.error is not None:
+            return
+        try:
+            if self.setup is not None:
+                self.setup()
+            release_free_memory()
+            self.barrier()
+            with PeakRSS() as mem:
+                start = time.perf_counter()
+                result = self.fn()
+                self.barrier()
+                self.times.append(time.perf_counter() - start)
+                del result  # freeing what fn returned is not part of its time
+            self.peak = max(self.peak, mem.extra)
+            if self.teardown is not None:
+                self.teardown()
+        except Exception as exc:
+            self.error = one_line(exc)
+            traceback.print_exc()
+            print(f"  {self.label} failed: {self.error}", file=sys.stderr, flush=True)
+
+
+def run_rounds(groups: list[list[Case]], repeats: int, log: Callable[[str], None]) -> None:
+    """``repeats`` rounds: each runs every case once, group after group, each group
+    rotated by one place per round (:func:`rotated`)."""
+    for i in range(repeats):
+        started = time.perf_counter()
+        for group in groups:
+            for case in rotated(group, i):
+                case.run_once()
+        log(f"  round {i + 1}/{repeats}: {time.perf_counter() - started:.1f} s")
 
 
 def rss() -> int:

@@ -19,8 +19,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from common import PeakRSS, drop_page_cache, layer_count, one_line, release_free_memory, rotated
+from common import Case, drop_page_cache, layer_count, release_free_memory, run_rounds
 from contenders import DcpSave, Ours, clear, read_files_new, restore
 
 HERE = Path(__file__).resolve()
@@ -94,39 +92,10 @@ def local_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in locals_)
 
 
-class Case:
-    """One path: timed between barriers on every rank; a failure is recorded, not raised."""
-
-    def __init__(self, name: str, fn: Callable[[], object], setup=None, teardown=None) -> None:
-        self.name, self.fn, self.setup, self.teardown = name, fn, setup, teardown
-        self.times: list[float] = []
-        self.peak = 0
-        self.error: str | None = None
-
-    def run_once(self) -> None:
-        if self.error is not None:
-            return
-        try:
-            if self.setup is not None:
-                self.setup()
-            release_free_memory()
-            dist.barrier()
-            with PeakRSS() as mem:
-                start = time.perf_counter()
-                self.fn()
-                dist.barrier()
-                self.times.append(time.perf_counter() - start)
-            self.peak = max(self.peak, mem.extra)
-            if self.teardown is not None:
-                self.teardown()
-        except Exception as exc:
-            self.error = one_line(exc)
-            traceback.print_exc()
-
-    def result(self) -> dict:
-        peaks: list[int] = [0] * dist.get_world_size()
-        dist.all_gather_object(peaks, self.peak)
-        return {"times": self.times, "peak_extra": peaks, "error": self.error}
+def _result(case: Case) -> dict:
+    peaks: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(peaks, case.peak)
+    return {"times": case.times, "peak_extra": peaks, "error": case.error}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -159,30 +128,30 @@ def worker(args: argparse.Namespace) -> None:
         ``rank_NNNNN.bin``, and ``rank_NNNNN.1.bin``, ... where a shard is split)."""
         return sorted(str(p) for p in ours.dir.glob(f"step_*/rank_{rank:05d}.*bin"))
 
+    def case(name: str, fn, setup=None, teardown=None) -> Case:
+        return Case(name, name, fn, setup, teardown, dist.barrier)
+
     cold = lambda c: on_rank0(lambda: drop_page_cache([str(c.latest())]))  # noqa: E731
     # Round-robin, like the one-process cases: each round's restores read its saves.
     saves = [
-        Case("ours save", ours.save, on_rank0(ours.clear)),
-        Case("raw DCP save (thread_count=1)", raw.save, on_rank0(raw.clear)),
+        case("ours save", ours.save, on_rank0(ours.clear)),
+        case("raw DCP save (thread_count=1)", raw.save, on_rank0(raw.clear)),
     ]
     restores = [
-        Case("ours restore, fresh objects", lambda: restore("ours", ours.dir, *fresh),
+        case("ours restore, fresh objects", lambda: restore("ours", ours.dir, *fresh),
              build_fresh, fresh.clear),
-        Case("ours restore, existing objects", lambda: restore("ours", ours.dir, model, opt),
+        case("ours restore, existing objects", lambda: restore("ours", ours.dir, model, opt),
              cold(ours)),
-        Case("raw DCP load, existing objects", lambda: restore("dcp", raw.latest(), model, opt),
+        case("raw DCP load, existing objects", lambda: restore("dcp", raw.latest(), model, opt),
              cold(raw)),
         # After building fresh objects, as "ours restore, fresh objects" (a resumed job
         # has built its model before it reads).
-        Case("cold read into new tensors", lambda: read_files_new(own_shard_files()),
+        case("cold read into new tensors", lambda: read_files_new(own_shard_files()),
              build_fresh, fresh.clear),
     ]  # fmt: skip
-    for i in range(args.repeats):  # saves, then restores, each rotated by one per round
-        for group in (saves, restores):
-            for case in rotated(group, i):
-                case.run_once()
+    run_rounds([saves, restores], args.repeats, lambda line: None)
     ours.close()
-    results = {c.name: c.result() for c in saves + restores}
+    results = {c.key: _result(c) for c in saves + restores}
     shard = [0] * world
     dist.all_gather_object(shard, local_bytes(model, opt))
     if rank == 0:

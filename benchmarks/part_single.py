@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -28,6 +27,7 @@ import xxhash
 
 import part_ranks
 from common import (
+    Case,
     Measurement,
     OtherLoad,
     build_state,
@@ -35,10 +35,8 @@ from common import (
     drop_page_cache,
     fresh_like,
     machine_info,
-    measure_once,
-    one_line,
     release_free_memory,
-    rotated,
+    run_rounds,
     source_digests,
     state_bytes,
     state_tensors,
@@ -99,35 +97,10 @@ class SizeResult:
         return row.m.median if row is not None and row.m is not None else None
 
 
-@dataclasses.dataclass
-class Case:
-    """One path to measure: ``fn`` timed, ``setup``/``teardown`` untimed around it."""
-
-    key: str
-    label: str
-    fn: Callable[[], object]
-    setup: Callable[[], object] | None = None
-    teardown: Callable[[], object] | None = None
-    times: list[float] = dataclasses.field(default_factory=list)
-    peak: int = 0
-    error: str | None = None
-
-    def run_once(self) -> None:
-        if self.error is not None:
-            return
-        try:
-            m = measure_once(self.fn, self.setup, self.teardown)
-        except Exception as exc:
-            self.error = one_line(exc)
-            print(f"\n  {self.label} failed: {self.error}", file=sys.stderr, flush=True)
-            return
-        self.times += m.times
-        self.peak = max(self.peak, m.peak_extra)
-
-    def row(self) -> Row:
-        if self.error is not None or not self.times:
-            return Row(self.label, None, error=self.error or "not run")
-        return Row(self.label, Measurement(self.times, self.peak))
+def _row(case: Case) -> Row:
+    if case.error is not None or not case.times:
+        return Row(case.label, None, error=case.error or "not run")
+    return Row(case.label, Measurement(case.times, case.peak))
 
 
 class Bench:
@@ -155,21 +128,16 @@ class Bench:
         first.run_once()  # it may allocate staging memory that later calls reuse
         blocked, self._blocked = self._blocked, []
         self.rows["async_first"] = (
-            Row(first.label, Measurement(blocked, first.peak)) if blocked else first.row()
+            Row(first.label, Measurement(blocked, first.peak)) if blocked else _row(first)
         )
         groups = [self._saves(), self._restores(), self._others()]
         try:
-            for i in range(self.repeats):
-                started = time.perf_counter()
-                for group in groups:
-                    for case in rotated(group, i):
-                        case.run_once()
-                log(f"  round {i + 1}/{self.repeats}: {time.perf_counter() - started:.1f} s")
+            run_rounds(groups, self.repeats, log)
         finally:
             for c in [*self.c.values(), self.async_save]:
                 c.close()
             self._targets.clear()
-        self.rows.update({case.key: case.row() for group in groups for case in group})
+        self.rows.update({case.key: _row(case) for group in groups for case in group})
         commit = self.rows["async_commit"]
         self.rows["async_block"] = Row(
             "(d) ours: async save, blocked in save()",

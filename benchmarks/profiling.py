@@ -24,7 +24,7 @@ import torch
 
 from common import build_state, drop_page_cache, fresh_like, state_bytes, synchronize
 from contenders import Ours, restore
-from report import table
+from report import size_text, table
 
 
 class ThreadProfiles:
@@ -148,7 +148,7 @@ def profile(mb: float, width: int, tmp: str, top: int, device: torch.device) -> 
                     timings.append(time.perf_counter() - start)
             plain, wall = timings
             out.append(
-                f"== cProfile of ours, {name}: {nbytes / 1e9:.2f} GB on {device}; {plain:.3f} s "
+                f"== cProfile of ours, {name}: {size_text(nbytes)} on {device}; {plain:.3f} s "
                 f"unprofiled, {wall:.3f} s under the profiler\n{report(profiles, wall, top)}"
             )
         ours.close()

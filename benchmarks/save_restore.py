@@ -184,6 +184,9 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
             Path(args.results).write_text(json.dumps(figures, indent=1))
     for name, data in figures.items():
         part, page = PARTS[name], args.write_docs
+        if name == "device" and page == "" and not data["cuda"]:
+            log(f"not written: {part.docs.path} is a GPU's page (give --write-docs a PATH)")
+            page = None
         docs = None if page is None else Path(page) if page else part.docs.path
         out = Report(part.docs, markdown=args.markdown, write_docs=docs)
         out.publish(
