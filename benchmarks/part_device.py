@@ -24,6 +24,7 @@ import torch
 
 import rounds
 from common import (
+    ROOT,
     build_state,
     code_info,
     drop_page_cache,
@@ -53,7 +54,7 @@ from contenders import (
     variant,
     write_raw,
 )
-from report import ROOT, Page, Target, bullets, factor, median, median_span, size_text, table
+from report import Page, Target, bullets, factor, median, median_span, size_text, table
 
 PAGE = Page(ROOT / "docs" / "benchmarks-gpu.md")
 WIDTH, QUICK_WIDTH, MB, QUICK_MB, RUNS, QUICK_RUNS = 4096, 256, 3200, 4, 3, 2

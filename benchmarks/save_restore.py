@@ -2,7 +2,8 @@
 
     python benchmarks/save_restore.py                    # every CPU part; prints the tables
     python benchmarks/save_restore.py --quick            # tiny states, 1-2 runs: a smoke test
-    python benchmarks/save_restore.py --write-docs --results docs/benchmarks.json  # make bench
+    python benchmarks/save_restore.py --batch 1 --write-docs --results docs/benchmarks.json
+                                                         # make bench
     python benchmarks/save_restore.py --render docs/benchmarks.json --write-docs
                                                          # the pages again from kept figures
     python benchmarks/save_restore.py --parts single --sizes 4800 --ranks 4
