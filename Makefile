@@ -63,9 +63,9 @@ clean:
 # above the marker line, and one section each below it: peers (every contender side by
 # side, restores in fresh processes), async (training blocked per async_save mode) and
 # store (S3 on loopback vs local disk). Every part's raw figures go to
-# docs/benchmarks.json: after editing the hand-written analysis (benchmarks/analysis.md),
-# `$(PY) benchmarks/save_restore.py --render docs/benchmarks.json --write-docs` renders the
-# page again. The part device is the GPU page, docs/benchmarks-gpu.md: benchmarks/gpu.py on
+# docs/benchmarks.json, and `$(PY) benchmarks/save_restore.py --render docs/benchmarks.json
+# --write-docs` renders the page again; its prose (the analysis of missed targets, the
+# method, notes) is written by hand in the pages, between `hand-written` markers it keeps. The part device is the GPU page, docs/benchmarks-gpu.md: benchmarks/gpu.py on
 # a machine with one GPU (`--render docs/benchmarks-gpu.json --write docs/benchmarks-gpu.md`
 # renders it again). torch-checkpointing is the bench extra, installed with torch pinned so
 # that pip never swaps the torch CI tests; without it its rows say "not installed".

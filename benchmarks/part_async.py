@@ -28,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import unbroken as ub
 from common import build_state, code_info, machine_info, repeat, state_bytes, state_tensors
 from contenders import copy_into
-from report import Section, inline, ratio, table
+from report import Section, inline, kept, ratio, table
 
 SECTION = Section("async")
 MODES: list[bool | str] = [False, True, "overlap"]
@@ -127,19 +127,6 @@ def _fmt(times: list[float]) -> str:
     return "-" if not times else f"{statistics.median(times):.4f} ({min(times):.4f})"
 
 
-READING = """\
-Reading:
-
-- `"overlap"` returns from `save()` after the capture (state dicts, JSON skeletons), the
-  copy of what the next forward may change (buffers) and of the small state, and the
-  hooks; the copy of the tensors runs behind, and the optimizer step pre-hook waits for
-  it only if it is not done ("wait at next step").
-- Steps while a save runs behind are slower than steps without one in both asynchronous
-  modes: the copy, fingerprinting and the write share the cores with training. On a
-  shared 2-core machine these last columns are noisy; the seconds blocked in `save()`
-  are the stable figure."""
-
-
 def render(data: dict, *, markdown: bool) -> str:
     copies, modes = data["copies"], data["modes"]
     copy = statistics.median(copies)
@@ -175,5 +162,6 @@ def render(data: dict, *, markdown: bool) -> str:
         "in the same run. Median of the rounds (min), after one warm-up save per mode. "
         f"Machine: {inline(data['info'])}.\n\n"
         f'Target (item 3): training blocked <= 0.05x one copy. `"overlap"`: '
-        f"{blocked * 1000:.1f} ms = {share:.3f}x: **{verdict}**.\n\n{text}\n\n{READING}"
+        f"{blocked * 1000:.1f} ms = {share:.3f}x: **{verdict}**.\n\n{text}\n\n"
+        + kept("async-reading")
     )

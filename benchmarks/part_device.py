@@ -54,7 +54,7 @@ from contenders import (
     variant,
     write_raw,
 )
-from report import Page, Target, bullets, factor, median, median_span, size_text, table
+from report import Page, Target, bullets, factor, kept, median, median_span, size_text, table
 
 PAGE = Page(ROOT / "docs" / "benchmarks-gpu.md")
 WIDTH, QUICK_WIDTH, MB, QUICK_MB, RUNS, QUICK_RUNS = 4096, 256, 3200, 4, 3, 2
@@ -286,35 +286,8 @@ class Run:
         return out
 
 
-HOW = """\
-How each row is measured. Every row is the median of the runs, the device synchronized
-before every timed region and after it (except after *blocked*: a synchronize there
-would wait for a copy that runs behind training). *blocked*: the call the training loop
-waits for (`save()`, `dcp.async_save`, torch-checkpointing's `save`). *until durable*: from
-that call until the checkpoint is on disk: ours, `save()` returns (sync) or `save()` +
-`wait()` (committed: files and folders fsync'd); DCP, its writer fsyncs each file, plus an
-fsync pass of ours over its files and folders, timed in; torch-checkpointing, its future's
-result plus that fsync pass (it never fsyncs); `torch.save`, plus an fsync of the file.
-*first save*: each contender's first save (staging buffers allocated, writers started);
-the other save rows are later saves, each into a folder emptied beforehand (untimed).
-*save() until its copy is done* (ours, "overlap") and *until its staging copy is done*
-(torch-checkpointing, whose async `save()` returns while its copy runs): that copy runs
-behind the next forward and backward, and the state must not change before it ends (our
-"overlap" makes the next optimizer step wait for it); a step waits only for what they do
-not hide (no training step runs here). Restores go into the existing model and
-optimizer on the device; ours verifies every restored tensor against its fingerprint
-(the count is in the row). *warm*: every file of the checkpoint read once just before;
-*cold*: every file fsync'd, then evicted from the page cache with
-`posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED)` (no root needed). Floors: copies into host
-memory allocated and touched beforehand; the write + fsync and the reads are of one file of
-the state's bytes, in the same temporary folder as the checkpoints. *x floor*: the row's
-median over the floor named (sums of medians); *x DCP*: over DCP's row of the same kind.
-Pinned memory needs CUDA: without it, the pinned rows are n/a and the copy floor is the
-copy into allocated host memory."""
-
-
 def render(data: dict, *, markdown: bool = True) -> str:
-    """The whole page (the same in plain text: it is a table and its notes)."""
+    """The whole page (in plain text without the hand-written notes on the method)."""
     run = Run(data)
     targets = [[t.name, t.shown, t.wanted, t.status()] for t in run.targets()]
     return "\n".join([
@@ -324,7 +297,7 @@ def render(data: dict, *, markdown: bool = True) -> str:
         "than the package's declared range, `PYTHONPATH=src python benchmarks/gpu.py`).", "",
         "## Machine", "", *bullets(data["info"]), "",
         f"## Results: one process, one state, median of {data['runs']} runs", "",
-        run.table(), "", HOW, "",
+        run.table(), "", *([kept("how", PAGE.path), ""] if markdown else []),
         "## Targets (issue 27)", "",
         "Ratios of medians. *missed by X%*: the ratio is X% above its limit.", "",
         table(["target", "measured", "wanted", "status"], targets), "",

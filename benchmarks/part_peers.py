@@ -55,8 +55,8 @@ from contenders import (
 )
 from report import (
     Section,
-    analysis_headings,
     bullets,
+    kept,
     median,
     median_span,
     ratio,
@@ -76,7 +76,7 @@ RESTORE_LABELS = {
     "tc": "torch-checkpointing: load + load_state_dict",
 }
 BASELINE = {"sync": "ours", "async": "ours_overlap"}  # what "x ours" divides by
-PEERS_TOPIC = "Peers side by side"  # the heading of analysis.md that says why ours is behind
+PEERS_TOPIC = "Peers side by side"  # the heading of the analysis that says why ours is behind
 
 
 # The state's digest: what a restore must give back, bit for bit -----------------------
@@ -275,41 +275,6 @@ def behind(fig: dict, nbytes: int) -> list[str]:
     return out
 
 
-FOOTNOTES = [
-    "*blocked*: seconds inside the save call. *until durable*: from the call until the "
-    "checkpoint is on disk: fsync'd by the contender, or, marked `*`, until the peer's own "
-    "future resolved plus an fsync pass of its files and folders that we add and time "
-    "(*fsync we added*): torch-checkpointing 0.1.1 never calls fsync "
-    "(`torch_checkpointing/storage/filesystem.py`). DCP's FileSystemWriter and our "
-    "`torch.save` path fsync every file (not the folder).",
-    'ours `async_save="overlap"` returns before copying: the copy runs behind and the next '
-    "`optimizer.step()` waits for it (not measured here: the part async does). "
-    "torch-checkpointing's async save also stages in the background (its docs ask for "
-    "`with manager.lock(): optimizer.step()`). `async_save=True` and `dcp.async_save` copy "
-    "inside the call. *x ours* divides sync rows by ours' sync save, async rows by "
-    '`"overlap"`.',
-    "*peak extra MB*: resident memory above the level before the call, sampled every 5 ms "
-    "until durable, of this process plus the private (RssAnon) memory of its child "
-    "processes (torch-checkpointing writes from a spawned process; the shared memory it "
-    "stages into is counted once). *kept MB*: memory each contender still holds after its "
-    "first save (staging buffers, writer process), measured once when it was built.",
-    "Each contender saves once untimed before the rounds (first-call costs: buffers, the "
-    "writer process). torch-checkpointing is configured as its docs say for CPU-only hosts "
-    "(`CheckpointStagerConfig(use_pinned_memory=False, use_non_blocking_copy=False)`); its "
-    "default storage opens files with O_DIRECT and writes through Python's buffered file "
-    "object, which ext4 rejects (EINVAL); `LocalFileSystemStorageConfig(use_direct_io="
-    "False)` is its documented switch for that. Its load uses a sync-configured manager "
-    "(loads need no writer process).",
-    "Restores run in a fresh process with fresh objects (another seed; AdamW without state) "
-    "and time only the restore call (each library imported beforehand, as a job does at "
-    "start-up; the call includes building its manager or Checkpointer): *cold* after "
-    "evicting the checkpoint's files from the page cache, *warm* after reading them once. "
-    "*correct*: after the cold restore, every model and optimizer tensor (and the param "
-    "groups) hashed with blake2b of its bytes, with dtype, shape, stride and device, against "
-    "the saved state's hashes.",
-]
-
-
 def render(data: dict, *, markdown: bool) -> str:
     out = []
     if markdown:
@@ -318,7 +283,6 @@ def render(data: dict, *, markdown: bool) -> str:
                    f"Seconds: median (min-max) of the rounds; {data['elapsed'] / 60:.1f} "
                    "minutes in all.\n")  # fmt: skip
         out += bullets(data["info"])
-    headings = analysis_headings()
     for size in data["sizes"]:
         notes: list[str] = []
         head = f"{size['nbytes'] / 1e9:.2f} GB, {size['repeats']} round" + "s" * (
@@ -331,8 +295,8 @@ def render(data: dict, *, markdown: bool) -> str:
         lines = behind(size["figures"], size["nbytes"])
         out.append(f"\nWhere ours is behind ({head}, from the medians):")
         out += [f"- {x}" for x in lines] or ["- nowhere"]
-        out += [f"- {why_missed(PEERS_TOPIC, headings)}"] if lines else []
-    return "\n".join([*out, "\nNotes:", *(f"- {n}" for n in FOOTNOTES)])
+        out += [f"- {why_missed(PEERS_TOPIC)}"] if lines else []
+    return "\n".join([*out, "", kept("peers-notes")] if markdown else out)
 
 
 def _restore_worker() -> None:

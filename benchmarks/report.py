@@ -27,9 +27,6 @@ from typing import Protocol
 from common import ROOT
 
 DOCS = ROOT / "docs" / "benchmarks.md"
-# Why targets are missed, by hand: one heading per topic, spliced into DOCS under the
-# targets; every report names the heading that explains a miss.
-ANALYSIS = Path(__file__).with_name("analysis.md")
 OTHERS = "<!-- Sections below belong to other benchmarks"
 OTHERS_LINE = (
     f"{OTHERS} (save_restore.py's parts store, async and peers); its part single keeps them. -->"
@@ -104,19 +101,26 @@ def shown_command(script: str, argv: Iterable[str]) -> str:
     return " ".join([f"python benchmarks/{script}", *out])
 
 
-# The analysis: why a target is missed ---------------------------------------------------
+# Hand-written prose in the pages: the analysis, the method, the notes ----------------------
 
 
-def analysis_headings(path: Path = ANALYSIS) -> set[str]:
-    """The headings of the hand-written analysis (without their ``#``), or none."""
-    text = path.read_text(encoding="utf-8") if path.is_file() else ""
-    return {line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")}
+def kept(name: str, page: Path = DOCS) -> str:
+    """The hand-written block ``name`` of the committed ``page``, its two marker lines
+    included ("" where there is none), for a report to put back as it is: prose is
+    edited in the page, and rendering the figures again leaves it alone."""
+    start, end = f"<!-- hand-written {name}:start -->", f"<!-- hand-written {name}:end -->"
+    text = page.read_text(encoding="utf-8") if page.is_file() else ""
+    if start not in text or end not in text:
+        return ""
+    return start + text.split(start, 1)[1].split(end, 1)[0] + end
 
 
-def why_missed(topic: str, headings: set[str]) -> str:
-    """Where the analysis explains ``topic``, or that it does not yet."""
+def why_missed(topic: str) -> str:
+    """Where the analysis (the block ``analysis`` of DOCS, one heading per topic)
+    explains ``topic``, or that it does not yet."""
+    headings = {x.lstrip("#").strip() for x in kept("analysis").splitlines() if x[:1] == "#"}
     if topic in headings:
-        return f"Why: *{topic}* in the analysis (benchmarks/analysis.md)."
+        return f"Why: *{topic}* in the analysis (docs/benchmarks.md)."
     return "Why: not analysed yet."
 
 
@@ -268,7 +272,7 @@ class Target:
     wanted: str
     higher_is_better: bool = False
     why_none: str = "not measured"
-    topic: str = ""  # the heading of analysis.md that says why it is missed
+    topic: str = ""  # the heading of the analysis that says why it is missed
     evidence: str = ""  # the two measurements behind the ratio, with their spreads
 
     def status(self) -> str:

@@ -1,19 +1,18 @@
 """The report of the suite's part ``single``: in plain text for stdout, or as the markdown
 above the other sections of docs/benchmarks.md: the targets of issue 15 and their misses
-(each with the heading of the hand-written analysis that explains it), the analysis, per
-state size the tables of save, restore, copies and multi-rank FSDP2 (seconds, GB/s,
-ratios against three references, peak extra memory), the cost per GB across sizes, and
-how it is measured."""
+(each with the heading of the hand-written analysis that explains it), the cost per GB
+across sizes, per state size the tables of save, restore, copies and multi-rank FSDP2
+(seconds, GB/s, ratios against three references, peak extra memory); the analysis and
+how it is measured are the page's hand-written blocks, kept as they are."""
 
 from __future__ import annotations
 
 from part_single import SizeResult, load_sizes
 from report import (
-    ANALYSIS,
     Target,
-    analysis_headings,
     bullets,
     factor,
+    kept,
     median,
     median_span,
     over,
@@ -23,7 +22,7 @@ from report import (
     why_missed,
 )
 
-# Why a target is missed is written by hand in analysis.md, one heading per topic.
+# Why a target is missed is written by hand in the analysis, one heading per topic.
 TOPICS = {
     "save": "Saves against raw DCP and the disk floor",
     "save-memory": "Peak memory of a synchronous save",
@@ -167,7 +166,7 @@ def fsdp_targets(r: SizeResult) -> list[Target]:
     return out
 
 
-def misses(results: list[SizeResult], headings: set[str]) -> str:
+def misses(results: list[SizeResult]) -> str:
     """Every target missed in this run: by how much, both measurements with their spread,
     and the heading of the analysis that says why (or that none does yet)."""
     lines = []
@@ -178,7 +177,7 @@ def misses(results: list[SizeResult], headings: set[str]) -> str:
                 seen = f" {t.evidence[:1].upper()}{t.evidence[1:]}." if t.evidence else ""
                 lines.append(
                     f"- {size_text(r.nbytes)}, {t.name}: {t.shown}, wanted {t.wanted} "
-                    f"({status}).{seen} {why_missed(TOPICS[t.topic], headings)}"
+                    f"({status}).{seen} {why_missed(TOPICS[t.topic])}"
                 )
     if not lines:
         return "Every target was met in this run."
@@ -287,59 +286,6 @@ def linearity_table(results: list[SizeResult]) -> str:
     ])  # fmt: skip
 
 
-METHOD = """\
-## How it is measured
-
-- One process builds the state (`common.build_state`: `nn.Linear(2048, 2048, bias=False)`
-  layers and AdamW after one step: weights, `exp_avg`, `exp_avg_sq`), then measures every
-  path in the same run, on the same disk (one temp folder under `--tmpdir`, removed at the
-  end). Each number is the median of the runs, with min-max. Timings are wall-clock
-  seconds of the call alone; untimed set-up before each run removes the previous output
-  and `sync`s.
-- The cases run round-robin: each round runs every case once, saves first, then cold
-  restores of what that round saved, then the copies, each group rotated by one place per
-  round; so load from other processes, and what one case leaves behind for the next (a
-  disk still absorbing the previous write), fall on all paths alike. The CPU time other
-  processes used meanwhile is under Machine.
-- *Cold* reads: before each run the files are fsynced and evicted from the page cache
-  (`posix_fadvise(DONTNEED)`).
-- (a) floor: the state's raw bytes written to one file with plain writes + `fsync`, and
-  read back with `readinto` into existing tensors (and into new ones, which pays the
-  first touch of every page: the floor of a restore into fresh objects, measured like
-  those right after fresh objects are built).
-- (b) `torch.save({"model": ..., "optimizer": ...})` + `fsync`, and `torch.load` +
-  `load_state_dict` into the existing objects.
-- (c) raw DCP: `get_state_dict` -> `dcp.save(FileSystemWriter(thread_count=1 or 2))`;
-  load: `get_state_dict` templates -> `dcp.load` -> `set_state_dict`, into the existing
-  objects, or into fresh ones (where `get_state_dict` first creates the optimizer state
-  with a zero-gradient step).
-- (d) ours: `Checkpointer(...).save(step)`; `restore()` by a new `Checkpointer`, into
-  fresh objects (a new model and an AdamW without state, as a resumed process has) or into
-  the existing ones, both verifying as the library does. Async: the first `save()`,
-  then the median of the later ones (staging memory reused), each timed until it returns
-  (training blocked) and until its step is committed.
-- Peak extra RSS: `/proc/self/statm` sampled every 2 ms by a thread, peak minus the level
-  at the start of the run (the allocator's free memory is trimmed first); the largest
-  over the runs. Restores into fresh objects include allocating the optimizer state.
-- 2-rank FSDP2 (`--ranks 2`): `part_ranks.py` under `torch.distributed.run
-  --nproc_per_node 2`, gloo, `init_device_mesh("cpu", (2,))`, `fully_shard` per layer and
-  at the root, one thread per rank; times between barriers on rank 0, peak extra RSS per
-  rank. The 2-rank floor: each rank reads the files of its own shard that ours saved that
-  round, cold, with plain `readinto` into new tensors of 16 MiB
-  (`contenders.read_files_new`), right after building fresh objects as the restore into
-  fresh objects does.
-- Verification share: the library's fingerprint (`unbroken.format.fingerprint`) and
-  xxh3-128 over every tensor once.
-- Caveats: on a shared machine, other processes' CPU use slows the CPU-heavy paths
-  (checksums, fingerprints, torch.save's CRC32) and torch ops run with 2 intra-op threads
-  most of all; on a virtual disk, a write can be several times slower when it lands on
-  blocks never written before (thin provisioning). Min-max shows the spread.
-- The scripts print tables and never assert timings; `--quick` is a smoke test;
-  `--profile` prints where ours spends its time (cProfile, calling thread and the threads
-  the call starts).
-"""
-
-
 def render(data: dict, *, markdown: bool) -> str:
     """The whole report; ``markdown`` adds the title, the machine and the method."""
     results, info, elapsed = load_sizes(data), data["info"], data["elapsed"]
@@ -365,17 +311,16 @@ def render(data: dict, *, markdown: bool) -> str:
     rows = [[size_text(r.nbytes), t.name, t.shown, t.wanted, t.status()]
             for r in results for t in targets(r)]  # fmt: skip
     parts += [table(["state", "target", "measured", "wanted", "status"], rows), ""]
-    parts += [misses(results, analysis_headings()), ""]
+    parts += [misses(results), ""]
     linear = linearity_table(results)
     parts += [linear, ""] if linear else []
-    if markdown and ANALYSIS.is_file():
-        parts += [ANALYSIS.read_text(encoding="utf-8").rstrip(), ""]
+    parts += [kept("analysis"), ""] if markdown else []
     for r in results:
         title = (f"State of {size_text(r.nbytes)} ({r.ntensors} tensors), median of "
                  f"{r.repeats} run{'s' if r.repeats > 1 else ''}")  # fmt: skip
         parts += [f"## {title}" if markdown else f"== {title}", "", size_tables(r), ""]
     if markdown:
-        parts += [METHOD]
+        parts += [kept("method")]
     else:
         parts += [
             f"other processes' CPU use meanwhile (busy cores): {load}",
