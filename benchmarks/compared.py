@@ -43,7 +43,7 @@ import torch
 from safetensors.torch import load_file
 
 from common import ROOT, git_revision, machine_info
-from report import Page, Report, bullets, shown_command, table
+from report import Page, add_options, bullets, publish, shown_command, table
 from unbroken.proof.runs import RunFailed, run
 from unbroken.storage.locate import location
 
@@ -592,10 +592,10 @@ def main() -> int:
         metavar="PAGE_OR_JSON",
         help="report the results kept in a page or --results file; no runs",
     )
-    Report.add_options(parser, PAGE)  # fmt: skip
+    add_options(parser, PAGE)
     args = parser.parse_args()
-    out = Report.from_args(args, PAGE)
-    real_page = out.write_docs is not None and out.write_docs.resolve() == PAGE.path
+    docs = Path(args.write_docs) if args.write_docs else None
+    real_page = docs is not None and docs.resolve() == PAGE.path
     partial = args.quick or not args.variants or set(args.only) != set(FRAMEWORKS)
     if real_page and partial and not args.render:
         parser.error(f"--write-docs into {PAGE.path} needs every framework, variant and step: "
@@ -610,10 +610,10 @@ def main() -> int:
         print(f"not written: {PAGE.path} shows every framework, variant and step (run "
               "without --quick, --only, --no-variants, or give --write-docs a PATH)",
               file=sys.stderr)  # fmt: skip
-        out.write_docs = None
+        docs = None
     if args.results:
         args.results.write_text(results.json() + "\n", encoding="utf-8")
-    out.publish(text_report(results), lambda: page(results))
+    publish(text_report(results), lambda: page(results), PAGE, show=args.markdown, page=docs)
     return 0
 
 

@@ -36,7 +36,7 @@ import torch
 import health_report
 import unbroken as ub
 from health_scripts import BUGS, SCRIPTS, Progress, Script
-from report import HEALTH, Report
+from report import HEALTH, add_options, publish
 from unbroken.proof import health_check as monitor
 from unbroken.proof.health_check import HORIZON, JUDGED, HealthCheck
 from unbroken.proof.run_record import METRICS_WINDOW
@@ -253,11 +253,10 @@ def main() -> int:
     parser.add_argument("--cuts", type=int, default=CUTS, help="cut points per script and bug")
     parser.add_argument("--save-series", type=Path, help="write the recorded series here")
     parser.add_argument("--from-series", type=Path, help="judge series saved earlier")
-    Report.add_options(parser, HEALTH)
+    add_options(parser, HEALTH)
     args = parser.parse_args()
     if args.write_docs and (args.quick or args.from_series):
         parser.error("--write-docs needs a full measurement (not --quick or --from-series)")
-    out = Report.from_args(args, HEALTH)
     torch.set_num_threads(1)
     logging.getLogger("unbroken").setLevel(logging.ERROR)  # the warnings are counted instead
     started = time.perf_counter()
@@ -279,9 +278,12 @@ def main() -> int:
     constants = {name: getattr(monitor, name) for name in MONITOR_CONSTANTS}
     constants.update(first_cut=FIRST_CUT, cuts=args.cuts, window=METRICS_WINDOW)
     seconds = time.perf_counter() - started
-    out.publish(
+    publish(
         health_report.tables(rates, recordings, BUGS),
         lambda: health_report.page(rates, recordings, seconds, constants, BUGS),
+        HEALTH,
+        show=args.markdown,
+        page=Path(args.write_docs) if args.write_docs else None,
     )
     print(f"({time.perf_counter() - started:.0f} s)")
     return 0

@@ -247,8 +247,6 @@ def measure(args: argparse.Namespace, log) -> dict:
     """Every size's figures, and the machine and the code they were measured on, as
     ``--results`` keeps them."""
     started = time.perf_counter()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     info = machine_info(args.tmpdir)
     sources = source_digests()
     info["unbroken"] = code_info(sources)

@@ -1,18 +1,13 @@
 """How every benchmark shows its figures: one table renderer, the cells it is given, the
 docs pages and the part of them each report owns, and one way to publish.
 
-Every report goes through :class:`Report`: the plain text to stdout, its markdown to
+Every report goes through :func:`publish`: the plain text to stdout, its markdown to
 stdout as well with ``--markdown``, and with ``--write-docs [PATH]`` into the part of a
 page it owns (a :class:`DocsPart`). docs/benchmarks.md is shared: the save/restore
 suite's one-process report owns everything above the ``OTHERS`` marker line
 (:class:`Top`); every other report on it owns one section below the marker, between
 ``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` (:class:`Section`). Other pages are
-owned whole (:class:`Page`).
-
-    parser = argparse.ArgumentParser()
-    Report.add_options(parser, PAGE)
-    out = Report.from_args(parser.parse_args(), PAGE)
-    out.publish(text, lambda: markdown_of(text))  # markdown rendered only when wanted
+owned whole (:class:`Page`). Prose is written by hand in the pages (:func:`kept`).
 """
 
 from __future__ import annotations
@@ -201,64 +196,36 @@ class Page:
 HEALTH = Page(ROOT / "docs" / "health-check.md")
 
 
-class Report:
-    """Where one report goes: always stdout; its markdown also to stdout (``markdown``)
-    and into ``part`` of the page at ``write_docs``.
+def add_options(parser: argparse.ArgumentParser, part: DocsPart) -> None:
+    """``--markdown`` (also print it) and ``--write-docs [PATH]`` (put it in ``part`` of
+    its page, or of PATH)."""
+    parser.add_argument("--markdown", action="store_true", help="also print the markdown")
+    parser.add_argument(
+        "--write-docs",
+        nargs="?",
+        const=str(part.path),
+        metavar="PATH",
+        help=f"put the markdown in {part.describe(part.path)} (or in PATH)",
+    )
 
-    Args:
-        part: the part of a docs page the report owns (None: it prints only).
-        markdown: also print the markdown.
-        write_docs: the page to put the markdown into (None: no page is written).
 
-    Raises:
-        ValueError: ``write_docs`` without a ``part`` to put there.
-    """
-
-    def __init__(
-        self,
-        part: DocsPart | None = None,
-        *,
-        markdown: bool = False,
-        write_docs: Path | None = None,
-    ) -> None:
-        if write_docs is not None and part is None:
-            raise ValueError(f"write_docs needs the part of the page to write, got {part}")
-        self.part, self.markdown, self.write_docs = part, markdown, write_docs
-
-    @staticmethod
-    def add_options(
-        parser: argparse.ArgumentParser, part: DocsPart, *, markdown: bool = True
-    ) -> None:
-        """``--write-docs [PATH]`` and, where the printed report is not the markdown
-        itself, ``--markdown``."""
-        if markdown:
-            parser.add_argument("--markdown", action="store_true", help="also print the markdown")
-        parser.add_argument(
-            "--write-docs",
-            nargs="?",
-            const=str(part.path),
-            default=None,
-            metavar="PATH",
-            help=f"put the markdown in {part.describe(part.path)} (or in PATH)",
-        )
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, part: DocsPart) -> Report:
-        docs = Path(args.write_docs) if args.write_docs else None
-        return cls(part, markdown=getattr(args, "markdown", False), write_docs=docs)
-
-    def publish(self, text: str, markdown: Callable[[], str] | None = None) -> None:
-        """Print ``text``; render ``markdown`` if it is wanted, print it and/or put it in
-        this report's part of the page, saying where."""
-        print("\n" + text)
-        if markdown is None or not (self.markdown or self.write_docs is not None):
-            return
-        md = markdown()
-        if self.markdown:
-            print("\n" + md)
-        if self.write_docs is not None and self.part is not None:
-            self.part.put(md, self.write_docs)
-            print(f"\nwrote {self.part.describe(self.write_docs)}")
+def publish(
+    text: str,
+    markdown: Callable[[], str],
+    part: DocsPart,
+    *,
+    show: bool = False,
+    page: Path | None = None,
+) -> None:
+    """Print ``text``; where the markdown is wanted, render it: print it (``show``) and
+    put it in ``part`` of ``page``, saying so."""
+    print("\n" + text)
+    md = markdown() if show or page is not None else ""
+    if show:
+        print("\n" + md)
+    if page is not None:
+        part.put(md, page)
+        print(f"\nwrote {part.describe(page)}")
 
 
 @dataclasses.dataclass

@@ -50,7 +50,7 @@ import part_single
 import part_store
 import profiling
 import single_report
-from report import DocsPart, Report, Top, shown_command
+from report import DocsPart, Top, publish, shown_command
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,50 +92,19 @@ def options() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add = parser.add_argument
-    add(
-        "--device",
-        choices=["cpu", "cuda"],
-        default="cpu",
-        help="where the state lives (cuda: the part device, docs/benchmarks-gpu.md)",
-    )
-    add(
-        "--parts",
-        nargs="+",
-        choices=list(PARTS),
-        default=None,
-        help="the parts to run (default: single peers async store; device on cuda)",
-    )
+    add("--device", choices=["cpu", "cuda"], default="cpu", help="where the state lives")
+    add("--parts", nargs="+", choices=list(PARTS), help="default: the CPU parts; cuda: device")
     add("--quick", action="store_true", help="smoke test: tiny states, 1-2 runs of each")
-    add(
-        "--sizes",
-        type=float,
-        nargs="+",
-        metavar="MB",
-        help="state sizes of single (default 300 1200 3000) and device (one; default 3200)",
-    )
+    add("--sizes", type=float, nargs="+", metavar="MB", help="of single (or the one of device)")
     add("--ranks", type=int, default=2, help="FSDP2 ranks of single (1: one process only)")
     add("--peer-sizes", type=float, nargs="+", metavar="MB", help="of peers (default 300 1200)")
     add("--async-mb", type=float, default=part_async.MB, help="state size of async (MB)")
     add("--batch", type=int, default=part_async.BATCH, help="rows per training step of async")
     add("--store-mb", type=float, default=part_store.MB, help="state size of store (MB)")
-    add("--repeats", type=int, default=None, help="runs per measurement (default 5; device 3)")
-    add("--width", type=int, default=None, help="Linear layer width (default 2048; device 4096)")
-    add(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads of single's one process (FSDP2 ranks always use 1)",
-    )
-    add(
-        "--tmpdir",
-        default=tempfile.gettempdir(),
-        help="where the temporary checkpoints go (one disk for all)",
-    )
-    add(
-        "--profile",
-        action="store_true",
-        help="instead of the tables, cProfile ours' save and restore at each of --sizes",
-    )
+    add("--repeats", "--runs", type=int, help="runs per measurement (default 5; device 3)")
+    add("--width", type=int, help="Linear layer width (default 2048; device 4096)")
+    add("--tmpdir", default=tempfile.gettempdir(), help="where the checkpoints go (one disk)")
+    add("--profile", action="store_true", help="instead: cProfile ours at each of --sizes")
     add("--top", type=int, default=25, help="functions listed by --profile")
     add("--results", metavar="JSON", help="also write every part's raw figures to JSON")
     add("--render", metavar="JSON", help="measure nothing: render the figures of --results")
@@ -144,12 +113,10 @@ def options() -> argparse.ArgumentParser:
         "--write-docs",
         nargs="?",
         const="",
-        default=None,
         metavar="PATH",
-        help="put each part's markdown in its part of its page (docs/benchmarks.md; device: "
-        "docs/benchmarks-gpu.md), or in PATH",
+        help="put each part's markdown in its part of its page (or of PATH)",
     )
-    return parser  # fmt: skip
+    return parser
 
 
 def main(argv: list[str] | None = None, command: str | None = None) -> None:
@@ -157,20 +124,22 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     parser = options()
     args = parser.parse_args(argv)
     command = command or shown_command("save_restore.py", sys.argv[1:])
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device cuda: no CUDA device on this machine (torch {torch.__version__}"
-                     f", CUDA build {torch.version.cuda or 'none'}); use --device cpu")  # fmt: skip
-    parts = args.parts or (["device"] if args.device == "cuda" else CPU_PARTS)
-    if args.device == "cuda" and set(parts) - {"device"}:
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error(
+            f"--device cuda: no CUDA device on this machine (torch {torch.__version__}, CUDA "
+            f"build {torch.version.cuda or 'none'}); use --device cpu"
+        )
+    parts = args.parts or (["device"] if cuda else CPU_PARTS)
+    if cuda and set(parts) - {"device"}:
         parser.error("on --device cuda only the part device runs (the others measure the CPU)")
-    args.device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" \
-        else torch.device("cpu")  # fmt: skip
+    args.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP, 1 process
     if args.profile:
         sizes = args.sizes or [part_single.QUICK_MB if args.quick else 1200]
         width = args.width or (part_single.QUICK_WIDTH if args.quick else part_single.WIDTH)
-        tables = [profiling.profile(mb, width, args.tmpdir, args.top, args.device) for mb in sizes]
-        Report().publish("\n\n".join(tables))
+        for mb in sizes:
+            print("\n" + profiling.profile(mb, width, args.tmpdir, args.top, args.device))
         return
     if args.render:
         found = load_results(Path(args.render))
@@ -188,11 +157,12 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         if name == "device" and page == "" and not data["cuda"]:
             log(f"not written: {part.docs.path} is a GPU's page (give --write-docs a PATH)")
             page = None
-        docs = None if page is None else Path(page) if page else part.docs.path
-        out = Report(part.docs, markdown=args.markdown, write_docs=docs)
-        out.publish(
+        publish(
             part.render(data, markdown=False),
             lambda part=part, data=data: part.render(data, markdown=True),
+            part.docs,
+            show=args.markdown,
+            page=None if page is None else Path(page or part.docs.path),
         )
 
 
