@@ -18,6 +18,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -171,6 +172,26 @@ def run_rounds(groups: list[list[Case]], repeats: int, log: Callable[[str], None
             for case in rotated(group, i):
                 case.run_once()
         log(f"  round {i + 1}/{repeats}: {time.perf_counter() - started:.1f} s")
+
+
+def torchrun(
+    script: str | os.PathLike, ranks: int, args: list[str], timeout: float, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """``script args`` on ``ranks`` processes of this machine (``torch.distributed.run
+    --standalone``), one torch thread each; its output captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    cmd += [str(ranks), str(script), *args]
+    env = {**(os.environ if env is None else env), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def exit_at_once(code: int = 0) -> NoReturn:
+    """End a torchrun worker whose results are written, skipping the interpreter's
+    finalization: gloo's threads outlive ``destroy_process_group``, and one releasing a
+    tensor then aborts the process (SIGABRT; docs/pitfalls.md)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def rss() -> int:

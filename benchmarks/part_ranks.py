@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,10 +28,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from common import Case, drop_page_cache, layer_count, release_free_memory, run_rounds
+from common import (
+    Case,
+    drop_page_cache,
+    exit_at_once,
+    layer_count,
+    release_free_memory,
+    run_rounds,
+    torchrun,
+)
 from contenders import DcpSave, Ours, clear, read_files_new, restore
-
-HERE = Path(__file__).resolve()
 
 
 def launch(
@@ -40,15 +45,10 @@ def launch(
 ) -> dict:
     """The multi-rank measurements, as a dict (``{"error": ...}`` where they failed)."""
     out = root / "fsdp.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-        str(ranks), str(HERE), "--mb", str(mb), "--width", str(width), "--repeats",
-        str(repeats), "--dir", str(root / "fsdp"), "--out", str(out),
-    ]  # fmt: skip
+    args = ["--mb", str(mb), "--width", str(width), "--repeats", str(repeats), "--out", str(out)]
     log(f"  {ranks}-rank FSDP2 under torchrun ...")
     try:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = torchrun(__file__, ranks, [*args, "--dir", str(root / "fsdp")], timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"torchrun did not finish within {timeout:.0f} s"}
     finally:
@@ -168,9 +168,4 @@ if __name__ == "__main__":
     parser.add_argument("--dir", required=True, help="scratch folder (removed by the caller)")
     parser.add_argument("--out", required=True, help="JSON results (written by rank 0)")
     worker(parser.parse_args())
-    # The results are written. Skip the interpreter's finalization: gloo's worker threads
-    # outlive destroy_process_group and one releasing a tensor then aborts the process
-    # (SIGABRT; seen here at 0.3 GB; docs/pitfalls.md).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_at_once()  # the results are written

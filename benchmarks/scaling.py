@@ -35,7 +35,6 @@ import os
 import pickle
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -367,18 +366,14 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_job(world: int, args: argparse.Namespace, scratch: Path) -> dict:
-    out = scratch / f"w{world}.json"
-    folder = scratch / f"w{world}"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(world), __file__, "--worker", "--dir", str(folder),
-        "--out", str(out), "--repeats", str(args.repeats), "--width", str(args.width),
-        "--depth", str(args.depth),
-    ]  # fmt: skip
+    from common import torchrun  # not at the top: a worker wraps the collectives first
+
+    out, folder = scratch / f"w{world}.json", scratch / f"w{world}"
+    options = ["--worker", "--dir", str(folder), "--out", str(out), "--repeats", str(args.repeats)]
+    options += ["--width", str(args.width), "--depth", str(args.depth)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
-    env["OMP_NUM_THREADS"] = "1"
     started = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    proc = torchrun(__file__, world, options, args.timeout, env)
     if proc.returncode != 0:
         raise SystemExit(f"{world} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     result = json.loads(out.read_text())
@@ -521,17 +516,15 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        code = 0
         try:
             worker(args)
         except BaseException:
             traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)
-        # Skip the interpreter's finalization: gloo's worker threads outlive the group
-        # and one releasing a tensor then can abort the process (docs/pitfalls.md).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+            code = 1
+        from common import exit_at_once  # only now: the worker wraps the collectives first
+
+        exit_at_once(code)
     rows = []
     with tempfile.TemporaryDirectory(prefix="unbroken-scaling-") as scratch:
         for world in args.ranks:
