@@ -396,8 +396,13 @@ def gpu_info(device: torch.device) -> dict[str, str]:
     return {"gpu": name, "driver": driver, "cuda": str(torch.version.cuda)}
 
 
-def machine_info(tmpdir: str, device: torch.device | None = None) -> dict[str, str]:
-    """What the numbers were measured on, for the report (the GPU too on CUDA)."""
+def machine_info(
+    tmpdir: str, device: torch.device | None = None, sources: dict[str, str] | None = None
+) -> dict[str, str]:
+    """What the numbers were measured on (the GPU too on CUDA), and the code they measured:
+    ``version, revision R, sources D`` (D: a digest of ``sources``, :func:`source_digests`)."""
+    digests = sorted((sources or source_digests()).items())
+    digest = hashlib.sha256(repr(digests).encode()).hexdigest()[:12]
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     date = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
     gpu = gpu_info(device) if device is not None else {}
@@ -411,6 +416,7 @@ def machine_info(tmpdir: str, device: torch.device | None = None) -> dict[str, s
         "os": f"{platform.system()} {platform.release()}",
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "unbroken": f"{ub.__version__}, revision {git_revision()}, sources {digest}",
     }
 
 
@@ -440,10 +446,3 @@ def source_digests() -> dict[str, str]:
         str(p.relative_to(package)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(package.rglob("*.py"))
     }
-
-
-def code_info(sources: dict[str, str] | None = None) -> str:
-    """``version, revision R, sources D``: the code a run measured."""
-    digests = sorted((sources or source_digests()).items())
-    digest = hashlib.sha256(repr(digests).encode()).hexdigest()[:12]
-    return f"{ub.__version__}, revision {git_revision()}, sources {digest}"

@@ -26,7 +26,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import unbroken as ub
-from common import build_state, code_info, machine_info, repeat, state_bytes, state_tensors
+from common import build_state, machine_info, repeat, state_bytes, state_tensors
 from contenders import copy_into
 from report import Section, inline, kept, ratio, table
 
@@ -99,7 +99,7 @@ def measure(args: argparse.Namespace, log) -> dict:
     started = time.perf_counter()
     mb, width, batch, repeats = (4.0, 256, 8, 2) if args.quick else (
         args.async_mb, args.width or WIDTH, args.batch, args.repeats or REPEATS)  # fmt: skip
-    info = {**machine_info(args.tmpdir), "unbroken": code_info()}
+    info = machine_info(args.tmpdir)
     model, opt = build_state(mb, width)
     tensors = state_tensors(model, opt)
     targets = [torch.zeros_like(t) for t in tensors]

@@ -26,7 +26,6 @@ import rounds
 from common import (
     ROOT,
     build_state,
-    code_info,
     drop_page_cache,
     layer_count,
     machine_info,
@@ -158,7 +157,6 @@ def measure(args: argparse.Namespace, log) -> dict:
     fused = "fused " if device.type == "cuda" else ""
     info = {
         **machine_info(args.tmpdir, device),
-        "unbroken": code_info(),
         "torch-checkpointing": tc_version(),
         "state": f"{layer_count(mb, width, True)} x nn.Linear({width}, {width}) + {fused}AdamW "
         f"after one step, {size_text(nbytes)} on {device}",

@@ -31,7 +31,6 @@ from common import (
     OtherLoad,
     PeakRSS,
     build_state,
-    code_info,
     fresh_like,
     layer_count,
     machine_info,
@@ -145,8 +144,7 @@ def restore_in_fresh_process(mb: float, width: int, expected: dict, timeout: flo
 def measure(args: argparse.Namespace, log) -> dict:
     """Every size's figures, as ``--results`` keeps them (and ``--render`` reads)."""
     started, cpu = time.perf_counter(), torch.device("cpu")
-    info = {**machine_info(args.tmpdir), "unbroken": code_info(),
-            "torch-checkpointing": tc_version()}  # fmt: skip
+    info = {**machine_info(args.tmpdir), "torch-checkpointing": tc_version()}
     sizes = [QUICK_MB] if args.quick else args.peer_sizes or SIZES
     width = args.width or (QUICK_WIDTH if args.quick else WIDTH)
     repeats = 1 if args.quick else args.repeats or REPEATS

@@ -31,7 +31,6 @@ from common import (
     Measurement,
     OtherLoad,
     build_state,
-    code_info,
     drop_page_cache,
     fresh_like,
     machine_info,
@@ -247,9 +246,8 @@ def measure(args: argparse.Namespace, log) -> dict:
     """Every size's figures, and the machine and the code they were measured on, as
     ``--results`` keeps them."""
     started = time.perf_counter()
-    info = machine_info(args.tmpdir)
     sources = source_digests()
-    info["unbroken"] = code_info(sources)
+    info = machine_info(args.tmpdir, sources=sources)
     log("machine: " + "; ".join(f"{k} {v}" for k, v in info.items()))
     sizes, width = ([QUICK_MB], QUICK_WIDTH) if args.quick else (args.sizes or SIZES, WIDTH)
     repeats = 1 if args.quick else args.repeats or REPEATS

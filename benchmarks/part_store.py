@@ -24,7 +24,6 @@ import unbroken as ub
 from common import (
     OtherLoad,
     build_state,
-    code_info,
     drop_page_cache,
     fresh_like,
     machine_info,
@@ -90,7 +89,7 @@ def measure(args: argparse.Namespace, log) -> dict:
     mb, width, repeats = (
         (4.0, 256, 1) if args.quick else (args.store_mb, 2048, args.repeats or REPEATS)
     )
-    info = {**machine_info(tempfile.gettempdir()), "unbroken": code_info()}
+    info = machine_info(args.tmpdir)
     model, opt = build_state(mb, width)
     results: dict[str, list[float]] = {}
     log(f"\n== object store: {state_bytes(model, opt) / 1e9:.2f} GB, {repeats} runs")
