@@ -63,25 +63,18 @@ def _where(func: tuple[str, int, str]) -> str:
     return f"{path}:{line}({name})"
 
 
-def _own_time_table(stats: pstats.Stats, wall: float, top: int) -> str:
-    entries = stats.stats  # type: ignore[attr-defined]
-    own = sorted(entries.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+def _table(stats: pstats.Stats, wall: float, top: int, *, cumulative: bool = False) -> str:
+    """The ``top`` functions by own time, or (``cumulative``) unbroken's and DCP's by
+    cumulative time, with the share of ``wall``."""
+    entries = stats.stats.items()  # type: ignore[attr-defined]
+    if cumulative:
+        entries = [
+            (f, v) for f, v in entries if "unbroken" in f[0] or "distributed/checkpoint" in f[0]
+        ]
+    ranked = sorted(entries, key=lambda kv: kv[1][3 if cumulative else 2], reverse=True)
     rows = [
-        [_where(f), str(nc), f"{tt:.3f}", f"{tt / wall:.0%}", f"{ct:.3f}"]
-        for f, (_, nc, tt, ct, _) in own
-    ]
-    return table(["function", "calls", "own s", "% of wall", "cumulative s"], rows)
-
-
-def _cumulative_table(stats: pstats.Stats, wall: float, top: int) -> str:
-    entries = stats.stats  # type: ignore[attr-defined]
-    ours = [
-        (f, v) for f, v in entries.items() if "unbroken" in f[0] or "distributed/checkpoint" in f[0]
-    ]
-    cum = sorted(ours, key=lambda kv: kv[1][3], reverse=True)[:top]
-    rows = [
-        [_where(f), str(nc), f"{tt:.3f}", f"{ct:.3f}", f"{ct / wall:.0%}"]
-        for f, (_, nc, tt, ct, _) in cum
+        [_where(f), str(nc), f"{tt:.3f}", f"{ct:.3f}", f"{(ct if cumulative else tt) / wall:.0%}"]
+        for f, (_, nc, tt, ct, _) in ranked[:top]
     ]
     return table(["function", "calls", "own s", "cumulative s", "% of wall"], rows)
 
@@ -92,10 +85,10 @@ def report(profiles: ThreadProfiles, wall: float, top: int) -> str:
     main = pstats.Stats(profiles.main)
     parts = [
         "calling thread, by own time (tottime):",
-        _own_time_table(main, wall, top),
+        _table(main, wall, top),
         "",
         "calling thread, unbroken and torch.distributed.checkpoint by cumulative time:",
-        _cumulative_table(main, wall, top),
+        _table(main, wall, top, cumulative=True),
     ]
     if profiles.workers:
         names = sorted({n.rsplit("_", 1)[0] for n, _ in profiles.workers})
@@ -106,7 +99,7 @@ def report(profiles: ThreadProfiles, wall: float, top: int) -> str:
             "",
             f"{len(profiles.workers)} thread(s) started by the call ({', '.join(names)}), "
             "by own time (they overlap the calling thread):",
-            _own_time_table(workers, wall, min(top, 12)),
+            _table(workers, wall, min(top, 12)),
         ]
     return "\n".join(parts)
 
