@@ -22,47 +22,21 @@ from pathlib import Path
 
 import torch
 
+import common
+import contenders
 import rounds
-from common import (
-    ROOT,
-    build_state,
-    drop_page_cache,
-    layer_count,
-    machine_info,
-    repeat,
-    state_bytes,
-    state_tensors,
-    synchronize,
-    warm_cache,
-)
-from contenders import (
-    DcpAsync,
-    DcpSave,
-    Ours,
-    OursAsync,
-    OursOverlap,
-    TcAsync,
-    TcSync,
-    TorchSave,
-    clear,
-    copy_into,
-    import_library,
-    read_raw,
-    restore,
-    tc_version,
-    variant,
-    write_raw,
-)
 from report import Page, Target, bullets, factor, kept, median, median_span, size_text, table
 
-PAGE = Page(ROOT / "docs" / "benchmarks-gpu.md")
+PAGE = Page(common.ROOT / "docs" / "benchmarks-gpu.md")
 WIDTH, QUICK_WIDTH, MB, QUICK_MB, RUNS, QUICK_RUNS = 4096, 256, 3200, 4, 3, 2
 # DCP's writer fsyncs each file but not the folders: ours adds that pass, timed in.
 CONTENDERS = [
-    Ours, OursAsync, OursOverlap,
-    variant(DcpSave, key="dcp_save", label="DCP: dcp.save (+ fsync pass)", fsyncs=False),
-    variant(DcpAsync, label="DCP: dcp.async_save (defaults, + fsync pass)", fsyncs=False),
-    TorchSave, TcSync, TcAsync,
+    contenders.Ours, contenders.OursAsync, contenders.OursOverlap,
+    contenders.variant(contenders.DcpSave, key="dcp_save", label="DCP: dcp.save (+ fsync pass)",
+                       fsyncs=False),
+    contenders.variant(contenders.DcpAsync, label="DCP: dcp.async_save (defaults, + fsync pass)",
+                       fsyncs=False),
+    contenders.TorchSave, contenders.TcSync, contenders.TcAsync,
 ]  # fmt: skip
 SOURCES = {"ours": "ours", "dcp": "dcp_save", "torch": "torch_save", "tc": "tc_async"}
 
@@ -131,17 +105,27 @@ def floors(tensors: list[torch.Tensor], device: torch.device, folder: Path, runs
     pinned = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors] if cuda else []
     out: dict[str, list[float] | str] = {"pinned_d2h": na, "pinned_h2d": na}
     if cuda:
-        out["pinned_d2h"] = repeat(lambda: copy_into(pinned, tensors, True), runs, device)
-    out["pageable_d2h"] = repeat(lambda: copy_into(pageable, tensors), runs, device)
+        out["pinned_d2h"] = common.repeat(
+            lambda: contenders.copy_into(pinned, tensors, True), runs, device
+        )
+    out["pageable_d2h"] = common.repeat(
+        lambda: contenders.copy_into(pageable, tensors), runs, device
+    )
     host, path = pinned or pageable, folder / "floor.bin"
-    out["write_fsync"] = repeat(lambda: write_raw(host, path), runs, device, lambda: clear(path))
-    read = lambda: read_raw(host, path)  # noqa: E731
-    out["read_warm"] = repeat(read, runs, device, lambda: warm_cache([str(path)]))
-    out["read_cold"] = repeat(read, runs, device, lambda: drop_page_cache([str(path)]))
+    out["write_fsync"] = common.repeat(
+        lambda: contenders.write_raw(host, path), runs, device, lambda: contenders.clear(path)
+    )
+    read = lambda: contenders.read_raw(host, path)  # noqa: E731
+    out["read_warm"] = common.repeat(read, runs, device, lambda: common.warm_cache([str(path)]))
+    out["read_cold"] = common.repeat(
+        read, runs, device, lambda: common.drop_page_cache([str(path)])
+    )
     if cuda:
         back = [torch.empty_like(t) for t in tensors]
-        out["pinned_h2d"] = repeat(lambda: copy_into(back, pinned, True), runs, device)
-    clear(path)
+        out["pinned_h2d"] = common.repeat(
+            lambda: contenders.copy_into(back, pinned, True), runs, device
+        )
+    contenders.clear(path)
     return out
 
 
@@ -152,29 +136,29 @@ def measure(args: argparse.Namespace, log) -> dict:
     width = args.width or (QUICK_WIDTH if args.quick else WIDTH)
     mb = QUICK_MB if args.quick else args.sizes[0] if args.sizes else MB
     started = time.perf_counter()
-    model, opt = build_state(mb, width, device, bias=True)
-    nbytes = state_bytes(model, opt)
+    model, opt = common.build_state(mb, width, device, bias=True)
+    nbytes = common.state_bytes(model, opt)
     fused = "fused " if device.type == "cuda" else ""
     info = {
-        **machine_info(args.tmpdir, device),
-        "torch-checkpointing": tc_version(),
-        "state": f"{layer_count(mb, width, True)} x nn.Linear({width}, {width}) + {fused}AdamW "
-        f"after one step, {size_text(nbytes)} on {device}",
+        **common.machine_info(args.tmpdir, device),
+        "torch-checkpointing": contenders.tc_version(),
+        "state": f"{common.layer_count(mb, width, True)} x nn.Linear({width}, {width}) + "
+        f"{fused}AdamW after one step, {size_text(nbytes)} on {device}",
     }
     log(f"state: {info['state']}; {runs} runs; gpu: {info['gpu']}")
 
     def restore_once(family: str, path: Path, temp: str) -> dict:
-        synchronize(device)
+        common.synchronize(device)
         start = time.perf_counter()
-        ok = restore(family, path, model, opt, device)
-        synchronize(device)
+        ok = contenders.restore(family, path, model, opt, device)
+        common.synchronize(device)
         return {"seconds": time.perf_counter() - start, "verified": ok}
 
     for family in SOURCES:
-        import_library(family)
+        contenders.import_library(family)
     root = Path(tempfile.mkdtemp(prefix="ub-gpu-", dir=args.tmpdir))
     try:
-        fig = floors(state_tensors(model, opt), device, root, runs)
+        fig = floors(common.state_tensors(model, opt), device, root, runs)
         log("  floors done")
         found, verified = rounds.run(CONTENDERS, SOURCES, (model, opt), root, runs, device,
                                      restore_once, log, memory=False)  # fmt: skip

@@ -26,32 +26,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import common
+import contenders
 import rounds
-from common import (
-    OtherLoad,
-    PeakRSS,
-    build_state,
-    fresh_like,
-    layer_count,
-    machine_info,
-    release_free_memory,
-    state_bytes,
-)
-from contenders import (
-    DcpAsync,
-    DcpSave,
-    DcpSave2,
-    Ours,
-    OursAsync,
-    OursOverlap,
-    TcAsync,
-    TcAsyncDirect,
-    TcSync,
-    TorchSave,
-    import_library,
-    restore,
-    tc_version,
-)
 from report import (
     Section,
     bullets,
@@ -65,8 +42,11 @@ from report import (
 
 SECTION = Section("peers")
 SIZES, QUICK_MB, WIDTH, QUICK_WIDTH, REPEATS = [300, 1200], 4.0, 2048, 256, 5
-CONTENDERS = [Ours, OursOverlap, OursAsync, DcpSave, DcpSave2, DcpAsync, TorchSave,
-              TcSync, TcAsync, TcAsyncDirect]  # fmt: skip
+CONTENDERS = [
+    contenders.Ours, contenders.OursOverlap, contenders.OursAsync, contenders.DcpSave,
+    contenders.DcpSave2, contenders.DcpAsync, contenders.TorchSave, contenders.TcSync,
+    contenders.TcAsync, contenders.TcAsyncDirect,
+]  # fmt: skip
 SOURCES = {"ours": "ours", "dcp": "dcp_1", "torch": "torch_save", "tc": "tc_async"}
 RESTORE_LABELS = {
     "ours": "ours: restore()",
@@ -144,19 +124,19 @@ def restore_in_fresh_process(mb: float, width: int, expected: dict, timeout: flo
 def measure(args: argparse.Namespace, log) -> dict:
     """Every size's figures, as ``--results`` keeps them (and ``--render`` reads)."""
     started, cpu = time.perf_counter(), torch.device("cpu")
-    info = {**machine_info(args.tmpdir), "torch-checkpointing": tc_version()}
+    info = {**common.machine_info(args.tmpdir), "torch-checkpointing": contenders.tc_version()}
     sizes = [QUICK_MB] if args.quick else args.peer_sizes or SIZES
     width = args.width or (QUICK_WIDTH if args.quick else WIDTH)
     repeats = 1 if args.quick else args.repeats or REPEATS
     out = []
     for mb in sizes:
-        model, opt = build_state(mb, width)
-        nbytes = state_bytes(model, opt)
+        model, opt = common.build_state(mb, width)
+        nbytes = common.state_bytes(model, opt)
         log(f"\n== peers: state {nbytes / 1e9:.3f} GB, {repeats} rounds")
         once = restore_in_fresh_process(mb, width, digests(model, opt), 300 + 120 * nbytes / 1e9)
         root = Path(tempfile.mkdtemp(prefix="ub-peers-", dir=args.tmpdir))
         try:
-            with OtherLoad() as other:
+            with common.OtherLoad() as other:
                 fig, _ = rounds.run(CONTENDERS, SOURCES, (model, opt), root, repeats, cpu, once,
                                     log, memory=True)  # fmt: skip
         finally:
@@ -307,16 +287,16 @@ def _restore_worker() -> None:
     parser.add_argument("--digest", action="store_true")
     args = parser.parse_args()
     with torch.device("meta"):
-        layers = layer_count(args.mb, args.width)
+        layers = common.layer_count(args.mb, args.width)
         like = nn.Sequential(
             *(nn.Linear(args.width, args.width, bias=False) for _ in range(layers))
         )
-    model, opt = fresh_like(like)
-    import_library(args.family)
-    release_free_memory()
-    with PeakRSS() as mem:
+    model, opt = common.fresh_like(like)
+    contenders.import_library(args.family)
+    common.release_free_memory()
+    with common.PeakRSS() as mem:
         start = time.perf_counter()
-        restore(args.family, args.path, model, opt)
+        contenders.restore(args.family, args.path, model, opt)
         seconds = time.perf_counter() - start
     out = {"seconds": seconds, "peak_extra": mem.extra}
     if args.digest:

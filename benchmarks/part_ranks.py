@@ -28,16 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from common import (
-    Case,
-    drop_page_cache,
-    exit_at_once,
-    layer_count,
-    release_free_memory,
-    run_rounds,
-    torchrun,
-)
-from contenders import DcpSave, Ours, clear, read_files_new, restore
+import common
+import contenders
 
 
 def launch(
@@ -48,11 +40,11 @@ def launch(
     args = ["--mb", str(mb), "--width", str(width), "--repeats", str(repeats), "--out", str(out)]
     log(f"  {ranks}-rank FSDP2 under torchrun ...")
     try:
-        proc = torchrun(__file__, ranks, [*args, "--dir", str(root / "fsdp")], timeout)
+        proc = common.torchrun(__file__, ranks, [*args, "--dir", str(root / "fsdp")], timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"torchrun did not finish within {timeout:.0f} s"}
     finally:
-        clear(root / "fsdp")
+        contenders.clear(root / "fsdp")
     if proc.returncode != 0 or not out.exists():
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
         return {"error": f"torchrun exited {proc.returncode}: " + " | ".join(tail)}
@@ -63,7 +55,7 @@ def build(total_mb: float, width: int, mesh: DeviceMesh, *, seed: int, trained: 
     """The model sharded on the meta device, then materialized; ``trained``: AdamW after
     one step, else a fresh AdamW without state."""
     with torch.device("meta"):
-        layers = layer_count(total_mb, width)
+        layers = common.layer_count(total_mb, width)
         model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
     for layer in model:
         fully_shard(layer, mesh=mesh)
@@ -92,7 +84,7 @@ def local_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in locals_)
 
 
-def _result(case: Case) -> dict:
+def _result(case: common.Case) -> dict:
     peaks: list[int] = [0] * dist.get_world_size()
     dist.all_gather_object(peaks, case.peak)
     return {"times": case.times, "peak_extra": peaks, "error": case.error}
@@ -105,7 +97,10 @@ def worker(args: argparse.Namespace) -> None:
     mesh = init_device_mesh("cpu", (world,))
     model, opt = build(args.mb, args.width, mesh, seed=0, trained=True)
     cpu = torch.device("cpu")
-    ours, raw = Ours(Path(args.dir), model, opt, cpu), DcpSave(Path(args.dir), model, opt, cpu)
+    ours, raw = (
+        contenders.Ours(Path(args.dir), model, opt, cpu),
+        contenders.DcpSave(Path(args.dir), model, opt, cpu),
+    )
 
     def on_rank0(fn: Callable[[], object]) -> Callable[[], None]:
         def call() -> None:
@@ -119,37 +114,37 @@ def worker(args: argparse.Namespace) -> None:
 
     def build_fresh() -> None:
         fresh.clear()
-        release_free_memory()
+        common.release_free_memory()
         fresh.extend(build(args.mb, args.width, mesh, seed=1, trained=False))
-        on_rank0(lambda: drop_page_cache([str(ours.dir)]))()
+        on_rank0(lambda: common.drop_page_cache([str(ours.dir)]))()
 
     def own_shard_files() -> list[str]:
         """This rank's files in the step ours saved this round (docs/format.md:
         ``rank_NNNNN.bin``, and ``rank_NNNNN.1.bin``, ... where a shard is split)."""
         return sorted(str(p) for p in ours.dir.glob(f"step_*/rank_{rank:05d}.*bin"))
 
-    def case(name: str, fn, setup=None, teardown=None) -> Case:
-        return Case(name, name, fn, setup, teardown, dist.barrier)
+    def case(name: str, fn, setup=None, teardown=None) -> common.Case:
+        return common.Case(name, name, fn, setup, teardown, dist.barrier)
 
-    cold = lambda c: on_rank0(lambda: drop_page_cache([str(c.latest())]))  # noqa: E731
+    cold = lambda c: on_rank0(lambda: common.drop_page_cache([str(c.latest())]))  # noqa: E731
     # Round-robin, like the one-process cases: each round's restores read its saves.
     saves = [
         case("ours save", ours.save, on_rank0(ours.clear)),
         case("raw DCP save (thread_count=1)", raw.save, on_rank0(raw.clear)),
     ]
     restores = [
-        case("ours restore, fresh objects", lambda: restore("ours", ours.dir, *fresh),
+        case("ours restore, fresh objects", lambda: contenders.restore("ours", ours.dir, *fresh),
              build_fresh, fresh.clear),
-        case("ours restore, existing objects", lambda: restore("ours", ours.dir, model, opt),
-             cold(ours)),
-        case("raw DCP load, existing objects", lambda: restore("dcp", raw.latest(), model, opt),
-             cold(raw)),
+        case("ours restore, existing objects",
+             lambda: contenders.restore("ours", ours.dir, model, opt), cold(ours)),
+        case("raw DCP load, existing objects",
+             lambda: contenders.restore("dcp", raw.latest(), model, opt), cold(raw)),
         # After building fresh objects, as "ours restore, fresh objects" (a resumed job
         # has built its model before it reads).
-        case("cold read into new tensors", lambda: read_files_new(own_shard_files()),
+        case("cold read into new tensors", lambda: contenders.read_files_new(own_shard_files()),
              build_fresh, fresh.clear),
     ]  # fmt: skip
-    run_rounds([saves, restores], args.repeats, lambda line: None)
+    common.run_rounds([saves, restores], args.repeats, lambda line: None)
     ours.close()
     results = {c.key: _result(c) for c in saves + restores}
     shard = [0] * world
@@ -168,4 +163,4 @@ if __name__ == "__main__":
     parser.add_argument("--dir", required=True, help="scratch folder (removed by the caller)")
     parser.add_argument("--out", required=True, help="JSON results (written by rank 0)")
     worker(parser.parse_args())
-    exit_at_once()  # the results are written
+    common.exit_at_once()  # the results are written

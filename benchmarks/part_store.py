@@ -20,21 +20,12 @@ import sys
 import tempfile
 import time
 
+import common
+import contenders
+import report
 import unbroken as ub
-from common import (
-    OtherLoad,
-    build_state,
-    drop_page_cache,
-    fresh_like,
-    machine_info,
-    repeat,
-    state_bytes,
-    state_tensors,
-)
-from contenders import raw_bytes
-from report import Section, bullets, median, median_span, ratio, table
 
-SECTION = Section("object-store")
+SECTION = report.Section("object-store")
 MB, REPEATS = 300, 5
 
 
@@ -68,17 +59,17 @@ def ours(url: str, model, opt, repeats: int) -> tuple[list[float], list[float]]:
     by a new Checkpointer, built untimed; a local folder's files evicted first)."""
     ckpt = ub.Checkpointer(url, model=model, optimizer=opt, keep_last=1)
     steps = iter(range(1, 10_000))
-    saves = repeat(lambda: ckpt.save(next(steps)), repeats)
+    saves = common.repeat(lambda: ckpt.save(next(steps)), repeats)
     ckpt.close()
     fresh: list = []
 
     def build() -> None:
         if not url.startswith("s3://"):
-            drop_page_cache([url])
-        m, o = fresh_like(model)
+            common.drop_page_cache([url])
+        m, o = common.fresh_like(model)
         fresh[:] = [ub.Checkpointer(url, model=m, optimizer=o)]
 
-    return saves, repeat(lambda: fresh[0].restore(), repeats, None, build)
+    return saves, common.repeat(lambda: fresh[0].restore(), repeats, None, build)
 
 
 def measure(args: argparse.Namespace, log) -> dict:
@@ -89,48 +80,50 @@ def measure(args: argparse.Namespace, log) -> dict:
     mb, width, repeats = (
         (4.0, 256, 1) if args.quick else (args.store_mb, 2048, args.repeats or REPEATS)
     )
-    info = machine_info(args.tmpdir)
-    model, opt = build_state(mb, width)
+    info = common.machine_info(args.tmpdir)
+    model, opt = common.build_state(mb, width)
     results: dict[str, list[float]] = {}
-    log(f"\n== object store: {state_bytes(model, opt) / 1e9:.2f} GB, {repeats} runs")
+    log(f"\n== object store: {common.state_bytes(model, opt) / 1e9:.2f} GB, {repeats} runs")
     with tempfile.TemporaryDirectory(prefix="unbroken-bench-s3-", dir=args.tmpdir) as tmp, \
-            moto_server(), OtherLoad() as load:  # fmt: skip
+            moto_server(), common.OtherLoad() as load:  # fmt: skip
         fs = fsspec.filesystem("s3")
         fs.mkdir("bench")
         for where, url in (("local disk", f"{tmp}/run"), ("S3 (moto, loopback)", "s3://bench/run")):
             results[f"save: {where}"], results[f"restore: {where}"] = ours(url, model, opt, repeats)
-        blob = b"".join(raw_bytes(t.contiguous()).tobytes() for t in state_tensors(model, opt))
-        results["floor: s3fs pipe_file (one object)"] = repeat(
+        blob = b"".join(
+            contenders.raw_bytes(t.contiguous()).tobytes() for t in common.state_tensors(model, opt)
+        )
+        results["floor: s3fs pipe_file (one object)"] = common.repeat(
             lambda: fs.pipe_file("bench/raw.bin", blob), repeats
         )
-        results["floor: s3fs cat_file (one object)"] = repeat(
+        results["floor: s3fs cat_file (one object)"] = common.repeat(
             lambda: fs.cat_file("bench/raw.bin"), repeats
         )
         # moto reads a whole object to answer a range of it: what each of a restore's
         # ranged reads costs here (a real store serves ranges without that).
-        results["moto: one 16 MiB range of that object"] = repeat(
+        results["moto: one 16 MiB range of that object"] = common.repeat(
             lambda: fs.cat_file("bench/raw.bin", start=0, end=16 << 20), repeats
         )
     part_mb = os.environ.get("UNBROKEN_STORE_PART_MB", "32")
     flight = os.environ.get("UNBROKEN_STORE_CONCURRENCY", "8")
     return {"info": info, "elapsed": time.perf_counter() - started,
-            "nbytes": state_bytes(model, opt), "repeats": repeats, "load": load.cores,
+            "nbytes": common.state_bytes(model, opt), "repeats": repeats, "load": load.cores,
             "parts": f"{part_mb} MiB, {flight} in flight per rank", "results": results}  # fmt: skip
 
 
 def render(data: dict, *, markdown: bool = True) -> str:
     """The section (markdown; it is what the part prints too)."""
     results, nbytes = data["results"], data["nbytes"]
-    base = {"save": median(results["save: local disk"]),
-            "restore": median(results["restore: local disk"])}  # fmt: skip
+    base = {"save": report.median(results["save: local disk"]),
+            "restore": report.median(results["restore: local disk"])}  # fmt: skip
     rows = []
     for name, times in results.items():
-        med = median(times)
+        med = report.median(times)
         kind = "save" if "save" in name or "pipe" in name else "restore"  # the ratio's base
         size, x_local = (
-            (16 << 20, "-") if name.startswith("moto:") else (nbytes, ratio(med, base[kind]))
+            (16 << 20, "-") if name.startswith("moto:") else (nbytes, report.ratio(med, base[kind]))
         )
-        rows.append([name, *median_span(times), f"{size / med / 1e9:.2f}", x_local])
+        rows.append([name, *report.median_span(times), f"{size / med / 1e9:.2f}", x_local])
     return "\n".join([
         f"## Object store (S3 API on loopback) vs local disk, {nbytes / 1e9:.2f} GB, "
         f"median of {data['repeats']} runs", "",
@@ -142,8 +135,8 @@ def render(data: dict, *, markdown: bool = True) -> str:
         "that, not the client, dominates the S3 restore row. Local restores read a cold "
         "page cache. *x local* divides by our own save (or restore) to local disk in the "
         "same run.", "",
-        *bullets(data["info"]),
+        *report.bullets(data["info"]),
         f"- other processes' CPU use meanwhile (average busy cores): {data['load']:.2f}",
         f"- parts: {data['parts']}", "",
-        table(["what", "median s", "min-max s", "GB/s", "x local"], rows),
+        report.table(["what", "median s", "min-max s", "GB/s", "x local"], rows),
     ])  # fmt: skip

@@ -23,18 +23,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common import (
-    PeakRSS,
-    children_anon,
-    drop_page_cache,
-    one_line,
-    release_free_memory,
-    rotated,
-    rss,
-    synchronize,
-    warm_cache,
-)
-from contenders import TC_MISSING, Contender, tc_installed
+import common
+import contenders
 
 Figures = dict[str, list | str]
 SAVE_FIELDS = ("first_blocked", "blocked", "durable", "fsync", "copied", "peak", "kept")
@@ -43,7 +33,7 @@ RestoreOnce = Callable[[str, Path, str], dict]
 
 
 def run(
-    contenders: list[type[Contender]],
+    classes: list[type[contenders.Contender]],
     sources: dict[str, str],
     state: tuple[nn.Module, torch.optim.Optimizer],
     root: Path,
@@ -54,40 +44,40 @@ def run(
     *,
     memory: bool,
 ) -> tuple[Figures, int]:
-    """Every contender's first save, then ``runs`` rounds (module docstring); ``sources``:
-    restore family -> the key of the save whose checkpoint it reads; ``memory``: sample
-    the peak extra memory of each save (this process and its children). Returns the
-    figures and how many restores the library itself verified."""
+    """The first save of every contender of ``classes``, then ``runs`` rounds (module
+    docstring); ``sources``: restore family -> the key of the save whose checkpoint it
+    reads; ``memory``: sample the peak extra memory of each save (this process and its
+    children). Returns the figures and how many restores the library itself verified."""
     fig: Figures = {}
 
     def fail(key: str, why: str, fields: tuple[str, ...] = SAVE_FIELDS) -> None:
         fig.update({f"{key}.{f}": why for f in fields})
         log(f"  {key}: {why}")
 
-    live: list[Contender] = []
+    live: list[contenders.Contender] = []
     try:
-        for cls in contenders:
-            if cls.family == "tc" and not tc_installed():
-                fail(cls.key, TC_MISSING)
+        for cls in classes:
+            if cls.family == "tc" and not contenders.tc_installed():
+                fail(cls.key, contenders.TC_MISSING)
                 continue
-            release_free_memory()
-            before = rss() + children_anon()
+            common.release_free_memory()
+            before = common.rss() + common.children_anon()
             try:
                 live.append(cls(root, *state, device))
-                synchronize(device)
+                common.synchronize(device)
                 first = live[-1].save()
                 live[-1].clear()
             except Exception as exc:
-                fail(cls.key, f"error: {one_line(exc)}")
+                fail(cls.key, f"error: {common.one_line(exc)}")
                 continue
-            release_free_memory()
+            common.release_free_memory()
             fig.update({f"{cls.key}.{f}": [] for f in SAVE_FIELDS})
             fig[f"{cls.key}.first_blocked"] = [first.blocked]
-            fig[f"{cls.key}.kept"] = [rss() + children_anon() - before]
+            fig[f"{cls.key}.kept"] = [common.rss() + common.children_anon() - before]
         verified = 0
         for i in range(runs):
-            _saves(rotated(live, i), fig, set(sources.values()), device, fail, memory)
-            for family in rotated(list(sources), i):
+            _saves(common.rotated(live, i), fig, set(sources.values()), device, fail, memory)
+            for family in common.rotated(list(sources), i):
                 verified += _restores(family, sources[family], live, fig, restore_once, log)
             log(f"  round {i + 1}/{runs} done")
     finally:
@@ -101,14 +91,16 @@ def _saves(live, fig: Figures, kept: set[str], device, fail, memory: bool) -> No
         if isinstance(fig[f"{c.key}.blocked"], str):
             continue
         c.clear()
-        release_free_memory()
+        common.release_free_memory()
         try:
-            synchronize(device)
-            with PeakRSS(0.005, children=True) if memory else contextlib.nullcontext() as mem:
+            common.synchronize(device)
+            with (
+                common.PeakRSS(0.005, children=True) if memory else contextlib.nullcontext() as mem
+            ):
                 t = c.save()
-            synchronize(device)
+            common.synchronize(device)
         except Exception as exc:
-            fail(c.key, f"error: {one_line(exc)}")
+            fail(c.key, f"error: {common.one_line(exc)}")
             continue
         for field, value in (("blocked", t.blocked), ("durable", t.durable), ("fsync", t.fsync),
                              ("copied", t.copied), ("peak", mem.extra if mem else None)):  # fmt: skip
@@ -122,9 +114,16 @@ def _restores(family: str, source: str, live, fig: Figures, restore_once, log) -
     """Restore ``family`` cold, then warm, from its source's checkpoint of this round."""
     keys = [f"{family}_{x}" for x in ("cold", "warm", "peak", "correct")]
     src = next((c for c in live if c.key == source), None)
-    why = fig.get(f"{source}.blocked", TC_MISSING if family == "tc" else "its save did not run")
+    why = fig.get(
+        f"{source}.blocked", contenders.TC_MISSING if family == "tc" else "its save did not run"
+    )
     if src is None or isinstance(why, str):
-        fig.update({k: why if why == TC_MISSING else f"its save ({source}): {why}" for k in keys})
+        fig.update(
+            {
+                k: why if why == contenders.TC_MISSING else f"its save ({source}): {why}"
+                for k in keys
+            }
+        )
         return 0
     for k in keys:
         fig.setdefault(k, [])
@@ -133,11 +132,11 @@ def _restores(family: str, source: str, live, fig: Figures, restore_once, log) -
         key = f"{family}_{temp}"
         if isinstance(fig[key], str):
             continue
-        (drop_page_cache if temp == "cold" else warm_cache)([str(src.latest())])
+        (common.drop_page_cache if temp == "cold" else common.warm_cache)([str(src.latest())])
         try:
             got = restore_once(family, src.latest(), temp)
         except Exception as exc:
-            fig[key] = f"error: {one_line(exc)}"
+            fig[key] = f"error: {common.one_line(exc)}"
             log(f"  restore {key}: {fig[key]}")
             continue
         fig[key].append(got["seconds"])  # type: ignore[union-attr]
