@@ -6,21 +6,13 @@ and resumed, compared bit for bit with one that never stopped.
     python benchmarks/compared.py --only accelerate    # some frameworks only
     python benchmarks/compared.py --quick --no-variants    # a smoke test: tiny data, few steps
     python benchmarks/compared.py --render docs/integrations/compared.md --write-docs
-                                                       # the page again from the results it
-                                                       # keeps, without training
+                                                       # the page again from its results
 
-The training scripts are ``benchmarks/compared/{accelerate,lightning,trainer}_run.py``:
-one training set-up per framework (dropout, shuffled data, a warm-up schedule, gradient
-accumulation), resumed either by the framework's documented recipe (``--resume own``)
-or by unbroken's integration (``--resume unbroken``). Variants run a recipe with
-another documented setting. For each case three fresh processes run: straight to the
-end; stopped at step K (``UNBROKEN_STOP_AT``: either way the run saves at K and ends);
-resumed in the stopped run's folder to the end. Every run logs each step's loss and a
-digest of the inputs it trained on, and writes its final model and optimizer tensors;
-straight and resumed are compared bit for bit: tensors that differ, the first step whose
-logged loss differs, the first step whose inputs differ. CPU runs with one thread are
-deterministic, so each case runs once. Never asserts: it prints tables (a run that fails,
-or does not stop at K, is an error).
+One training script per framework (``compared/{accelerate,lightning,trainer}_run.py``),
+resumed by the framework's documented recipe (``--resume own``) or by unbroken's
+integration (``--resume unbroken``); per case three fresh processes: straight, stopped at
+step K, resumed; straight and resumed compared bit for bit (the page says how). Never
+asserts: it prints tables (a run that fails, or does not stop at K, is an error).
 """
 
 from __future__ import annotations
@@ -185,11 +177,9 @@ class Results:
 
     @classmethod
     def read(cls, path: Path) -> Results:
-        """From a ``--results`` file, or from a page this script wrote."""
+        """From a page this script wrote."""
         text = path.read_text(encoding="utf-8")
-        if RESULTS in text:
-            text = text[text.index(RESULTS) + len(RESULTS) :].rsplit(" -->", 1)[0]
-        data = json.loads(text)
+        data = json.loads(text[text.index(RESULTS) + len(RESULTS) :].rsplit(" -->", 1)[0])
         return cls(**{**data, "rows": [Row(**r) for r in data["rows"]]})
 
     def json(self) -> str:
@@ -561,37 +551,14 @@ def page(results: Results) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--only",
-        nargs="+",
-        choices=list(FRAMEWORKS),
-        default=list(FRAMEWORKS),
-        metavar="FRAMEWORK",
-        help=f"some of {', '.join(FRAMEWORKS)}",
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny data, few steps: a smoke test")
-    parser.add_argument(
-        "--variants",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also the own recipes with other documented settings",
-    )
-    parser.add_argument(
-        "--jobs", type=int, default=os.cpu_count() or 1, help="training processes at a time"
-    )
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    parser.add_argument(
-        "--workdir",
-        type=Path,
-        help="keep the runs here (default: a temp folder, removed unless a run fails)",
-    )
-    parser.add_argument("--results", type=Path, help="also write the results (JSON) here")
-    parser.add_argument(
-        "--render",
-        type=Path,
-        metavar="PAGE_OR_JSON",
-        help="report the results kept in a page or --results file; no runs",
-    )
+    add = parser.add_argument
+    add("--only", nargs="+", choices=list(FRAMEWORKS), default=list(FRAMEWORKS), metavar="NAME")
+    add("--quick", action="store_true", help="tiny data, few steps: a smoke test")
+    add("--variants", action=argparse.BooleanOptionalAction, default=True, help="other settings")
+    add("--jobs", type=int, default=os.cpu_count() or 1, help="training processes at a time")
+    add("--timeout", type=float, default=600, help="seconds per run")
+    add("--workdir", type=Path, help="keep the runs here (default: a temp folder)")
+    add("--render", type=Path, metavar="PAGE", help="report the results kept in PAGE; no runs")
     add_options(parser, PAGE)
     args = parser.parse_args()
     docs = Path(args.write_docs) if args.write_docs else None
@@ -611,8 +578,6 @@ def main() -> int:
               "without --quick, --only, --no-variants, or give --write-docs a PATH)",
               file=sys.stderr)  # fmt: skip
         docs = None
-    if args.results:
-        args.results.write_text(results.json() + "\n", encoding="utf-8")
     publish(text_report(results), lambda: page(results), PAGE, show=args.markdown, page=docs)
     return 0
 
