@@ -88,6 +88,8 @@ class Script:
     steps = 0  # length of the straight run
     batch = 32
     lr = 1e-3
+    betas = (0.9, 0.999)
+    weight_decay = 0.01
     clip: float | None = None
 
     def __init__(self, seed: int) -> None:
@@ -117,16 +119,10 @@ class Script:
     def param_groups(self) -> list[dict[str, Any]]:
         return [{"params": list(self.model.parameters())}]
 
-    def betas(self) -> tuple[float, float]:
-        return 0.9, 0.999
-
-    def weight_decay(self) -> float:
-        return 0.01
-
     # The shared training loop ----------------------------------------------------------
     def build_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
-            self.param_groups(), lr=self.lr, betas=self.betas(), weight_decay=self.weight_decay()
+            self.param_groups(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
         )
 
     def train_step(self) -> tuple[float, float]:
@@ -185,6 +181,7 @@ class GPTScript(Script):
     steps = 300
     batch = 16
     lr = 1e-2
+    betas = (0.9, 0.95)
     clip = 1.0
     warmup = 10
 
@@ -216,9 +213,6 @@ class GPTScript(Script):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-
-    def betas(self) -> tuple[float, float]:
-        return 0.9, 0.95
 
 
 class MLPScript(Script):
@@ -256,6 +250,7 @@ class CharGRUScript(Script):
     steps = 400
     batch = 32
     lr = 5e-3
+    betas = (0.9, 0.99)
     clip = 1.0
     seq = 48
 
@@ -276,9 +271,6 @@ class CharGRUScript(Script):
 
     def lr_factor(self, step: int) -> float:
         return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, step / self.steps)))
-
-    def betas(self) -> tuple[float, float]:
-        return 0.9, 0.99
 
 
 class _CharGRU(nn.Module):
