@@ -35,7 +35,7 @@ import torch
 from safetensors.torch import load_file
 
 from common import ROOT, git_revision, machine_info
-from report import Page, add_options, bullets, publish, shown_command, table
+from report import Page, add_options, bullets, kept, publish, shown_command, table
 from unbroken.proof.runs import RunFailed, run
 from unbroken.storage.locate import location
 
@@ -44,7 +44,10 @@ SCRIPTS = Path(__file__).with_name("compared")
 # As in compared/shared.py (the scripts' side of these files and settings).
 STEPS, FINAL, STOP_AT_ENV = "steps.jsonl", "final.safetensors", "UNBROKEN_STOP_AT"
 BATCH_SIZE, ACCUMULATE = 16, 2
-MARKER = "<!-- written by benchmarks/compared.py --write-docs: rerun it, do not edit by hand -->"
+MARKER = (
+    "<!-- written by benchmarks/compared.py --write-docs: rerun it; edit by hand only its "
+    "hand-written blocks -->"
+)
 RESULTS = "<!-- compared.py results (--render reads them): "
 
 
@@ -53,39 +56,12 @@ class Framework:
     title: str
     script: str
     dist: str  # the distribution whose version the page shows
-    own: str  # the framework's documented resume, in words
-    ours: str
 
 
-FRAMEWORKS = {
-    "accelerate": Framework(
-        "Accelerate",
-        "accelerate_run.py",
-        "accelerate",
-        "`accelerator.save_state(ckpt/step_N)` every N steps; on start `load_state` of the "
-        "newest folder, the epoch and batches done read from its name, then "
-        "`skip_first_batches` (accelerate's `examples/by_feature/checkpointing.py`)",
-        "`checkpointer_for(accelerator, ckpt)` with `use_stateful_dataloader=True, "
-        "use_seedable_sampler=True` (docs/integrations/accelerate.md)",
-    ),
-    "lightning": Framework(
-        "Lightning",
-        "lightning_run.py",
-        "lightning",
-        "`ModelCheckpoint(every_n_train_steps=N, save_top_k=-1)`; on start "
-        "`trainer.fit(model, ckpt_path=<newest .ckpt>)`",
-        "`UnbrokenCallback(ckpt, every_n_steps=N)`, `fit()` without `ckpt_path` "
-        "(docs/integrations/lightning.md)",
-    ),
-    "transformers": Framework(
-        "HF Trainer",
-        "trainer_run.py",
-        "transformers",
-        "`save_steps=N`; on start `trainer.train(resume_from_checkpoint="
-        "get_last_checkpoint(output_dir))`",
-        "`UnbrokenTrainer` + `UnbrokenCallback(ckpt)`, `train()` "
-        "(docs/integrations/transformers.md)",
-    ),
+FRAMEWORKS = {  # the recipes themselves are described in the page, by hand
+    "accelerate": Framework("Accelerate", "accelerate_run.py", "accelerate"),
+    "lightning": Framework("Lightning", "lightning_run.py", "lightning"),
+    "transformers": Framework("HF Trainer", "trainer_run.py", "transformers"),
 }
 
 
@@ -471,9 +447,6 @@ def page(results: Results) -> str:
     per_epoch = size["rows"] // BATCH_SIZE // ACCUMULATE
     epoch, into = divmod(size["stop_at"], per_epoch)
     where = f"{into} steps into epoch {epoch}" if into else f"at the end of epoch {epoch - 1}"
-    frameworks = list(dict.fromkeys(r.framework for r in results.rows))
-    recipes = [f"| {FRAMEWORKS[f].title} | {FRAMEWORKS[f].own} | {FRAMEWORKS[f].ours} |"
-               for f in frameworks]  # fmt: skip
     whys = []
     for r in results.rows:
         if r.kind == "own" or not r.identical:
@@ -508,15 +481,7 @@ def page(results: Results) -> str:
         "",
         *whys,
         "",
-        "## The two recipes per framework",
-        "",
-        "| framework | own resume | unbroken |",
-        "|---|---|---|",
-        *recipes,
-        "",
-        "The training scripts: `benchmarks/compared/accelerate_run.py`, "
-        "`lightning_run.py`, `trainer_run.py` (`--resume own|unbroken`); what they share "
-        "(data, model, logging) is `benchmarks/compared/shared.py`.",
+        kept("recipes", PAGE.path),
         "",
         "## How it is measured",
         "",
