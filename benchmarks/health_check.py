@@ -6,18 +6,11 @@
     python benchmarks/health_check.py --save-series runs/health.json   # keep the series
     python benchmarks/health_check.py --from-series runs/health.json   # judge them again
 
-Three small training scripts (``health_scripts.py``) each train straight. An exact resume
-at step K produces exactly the straight run's series, so the false-alarm rate is measured
-offline: at every cut point K the check is given the window a checkpoint keeps (the last
-``METRICS_WINDOW`` steps up to K) and then the straight run's steps after K, one at a
-time, as ``Checkpointer.track`` would. For the buggy variants training really continues
-from the state at K with the bug applied, for ``HORIZON`` steps, at evenly spaced cut
-points; the check is fed the same way. At those cut points the state also goes through a
-real ``Checkpointer`` (save at K, restore, train with ``track``): exactly (which checks
-that the first steps replay the straight series bit for bit, and gives the optimizer
-watch's false alarms) and with a fresh optimizer built after ``restore()`` (the full
-check's catches). Every run is seeded; the whole measurement is deterministic. Never
-asserts anything: it prints tables.
+Three small training scripts (``health_scripts.py``) train straight; exact resumes are
+judged offline at every cut point (an exact resume replays the straight series), buggy
+ones by really training on from the cut with the bug, at evenly spaced cut points, which
+also go through a real ``Checkpointer`` (docs/health-check.md, "Method", says how). Every
+run is seeded: the measurement is deterministic. Never asserts: it prints tables.
 """
 
 from __future__ import annotations

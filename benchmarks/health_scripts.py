@@ -11,14 +11,8 @@ bit) or with one of the classic resume bugs applied:
 - ``lost data position``: the data stream starts again from its beginning (epoch 0,
   first batch), as when the loader's state is not saved.
 
-The scripts differ in model, data, schedule and noise:
-
-- ``gpt``: the tiny GPT of ``examples/gpt`` on its on-disk word corpus; AdamW
-  (betas 0.9/0.95, weight decay on matrices), warm-up then cosine, clipping, dropout;
-- ``mlp``: an MLP classifying a fixed synthetic set (a random teacher's labels, 10% of
-  them flipped); AdamW at a constant LR (betas 0.9/0.999), dropout, no clipping;
-- ``char-gru``: a character-level GRU on Python's own ``argparse.py`` source; AdamW
-  (betas 0.9/0.99), cosine from the start without warm-up, clipping, dropout.
+The scripts (``gpt``, ``mlp``, ``char-gru``) differ in model, data, schedule and noise
+(docs/health-check.md tabulates them).
 """
 
 from __future__ import annotations

@@ -4,25 +4,11 @@
     python benchmarks/scaling.py --ranks 2 4 --repeats 1  # quicker
     python benchmarks/scaling.py --rounds                 # also list every collective call
 
-Each rank count is one ``torchrun --standalone`` job on this machine (gloo on CPU, one
-process per rank, ``OMP_NUM_THREADS=1``). Every rank builds the same small FSDP2 model
-(transformer-shaped blocks of Linear and LayerNorm layers, ``fully_shard`` per block and
-at the root on a mesh of every rank; AdamW after one step), saves it once untimed (a
-warm-up), then ``--repeats`` times saves it (``Checkpointer.save``) and restores it into
-freshly built objects on the same number of ranks (``Checkpointer.restore``). Times are
-taken on rank 0 between barriers, so the slowest rank decides; each table cell is the
-median.
-
-Every ``torch.distributed`` collective is wrapped (before unbroken or DCP is imported)
-and counted per save and per restore: the calls our code and DCP make (``rounds``), the
-gloo operations they are made of (an object collective is two: the sizes, then the
-bytes), and the pickled bytes each rank sends and receives through object collectives.
-The manifest written at each rank count is measured whole and by part (tensor entries,
-file records, components, the rest).
-
-The model is tiny on purpose (the CPU time of 16 ranks on a 2-core machine is the
-limit): what is measured is coordination (rounds, gathered objects, the manifest), not
-bandwidth. Nothing here asserts a timing.
+One ``torchrun --standalone`` job per rank count (gloo on CPU): a tiny FSDP2 model saved
+and restored ``--repeats`` times, timed on rank 0 between barriers; every
+``torch.distributed`` collective wrapped (before unbroken or DCP is imported) and counted,
+with the pickled bytes of object collectives; the manifest measured by part. What is
+measured is coordination, not bandwidth (docs/scaling.md says how). Never asserts timings.
 """
 
 from __future__ import annotations
