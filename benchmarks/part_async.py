@@ -96,7 +96,6 @@ def bench_mode(loop: Loop, mode: bool | str, root: Path, repeats: int) -> dict[s
 
 def measure(args: argparse.Namespace, log) -> dict:
     """The part's figures, as ``--results`` keeps them (and ``--render`` reads)."""
-    started = time.perf_counter()
     mb, width, batch, repeats = (4.0, 256, 8, 2) if args.quick else (
         args.async_mb, args.width or WIDTH, args.batch, args.repeats or REPEATS)  # fmt: skip
     info = machine_info(args.tmpdir)
@@ -118,8 +117,7 @@ def measure(args: argparse.Namespace, log) -> dict:
     finally:
         for hook in loop.hooks:
             hook.remove()
-    return {"info": info, "elapsed": time.perf_counter() - started,
-            "nbytes": state_bytes(model, opt), "width": width, "copies": copies,
+    return {"info": info, "nbytes": state_bytes(model, opt), "width": width, "copies": copies,
             "modes": modes}  # fmt: skip
 
 

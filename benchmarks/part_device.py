@@ -135,7 +135,6 @@ def measure(args: argparse.Namespace, log) -> dict:
     runs = args.repeats or (QUICK_RUNS if args.quick else RUNS)
     width = args.width or (QUICK_WIDTH if args.quick else WIDTH)
     mb = QUICK_MB if args.quick else args.sizes[0] if args.sizes else MB
-    started = time.perf_counter()
     model, opt = common.build_state(mb, width, device, bias=True)
     nbytes = common.state_bytes(model, opt)
     fused = "fused " if device.type == "cuda" else ""
@@ -165,10 +164,8 @@ def measure(args: argparse.Namespace, log) -> dict:
         fig.update(found)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    elapsed = time.perf_counter() - started
-    log(f"  measured in {elapsed:.0f} s")
     return {"info": info, "figures": fig, "cuda": device.type == "cuda", "nbytes": nbytes,
-            "verified": verified, "elapsed": elapsed, "runs": runs}  # fmt: skip
+            "verified": verified, "runs": runs}  # fmt: skip
 
 
 # Rendering ------------------------------------------------------------------------------

@@ -123,7 +123,7 @@ def restore_in_fresh_process(mb: float, width: int, expected: dict, timeout: flo
 
 def measure(args: argparse.Namespace, log) -> dict:
     """Every size's figures, as ``--results`` keeps them (and ``--render`` reads)."""
-    started, cpu = time.perf_counter(), torch.device("cpu")
+    cpu = torch.device("cpu")
     info = {**common.machine_info(args.tmpdir), "torch-checkpointing": contenders.tc_version()}
     sizes = [QUICK_MB] if args.quick else args.peer_sizes or SIZES
     width = args.width or (QUICK_WIDTH if args.quick else WIDTH)
@@ -143,7 +143,7 @@ def measure(args: argparse.Namespace, log) -> dict:
             shutil.rmtree(root, ignore_errors=True)
         out.append({"mb": mb, "nbytes": nbytes, "repeats": repeats, "figures": fig,
                     "other_load": other.cores})  # fmt: skip
-    return {"info": info, "elapsed": time.perf_counter() - started, "sizes": out}
+    return {"info": info, "sizes": out}
 
 
 # Rendering ------------------------------------------------------------------------------

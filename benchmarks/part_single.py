@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import shutil
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -245,7 +244,6 @@ def bench_size(mb: float, width: int, repeats: int, tmp: str, ranks: int, log) -
 def measure(args: argparse.Namespace, log) -> dict:
     """Every size's figures, and the machine and the code they were measured on, as
     ``--results`` keeps them."""
-    started = time.perf_counter()
     sources = source_digests()
     info = machine_info(args.tmpdir, sources=sources)
     log("machine: " + "; ".join(f"{k} {v}" for k, v in info.items()))
@@ -261,11 +259,7 @@ def measure(args: argparse.Namespace, log) -> dict:
             f" (WARNING: {', '.join(changed)} changed during the run; the FSDP2 workers, "
             "started later, may have run the newer code)"
         )
-    return {
-        "info": info,
-        "elapsed": time.perf_counter() - started,
-        "results": [dataclasses.asdict(r) for r in results],
-    }
+    return {"info": info, "results": [dataclasses.asdict(r) for r in results]}
 
 
 def load_sizes(data: dict) -> list[SizeResult]:

@@ -76,7 +76,6 @@ def measure(args: argparse.Namespace, log) -> dict:
     """The part's figures, as ``--results`` keeps them (and ``--render`` reads)."""
     import fsspec
 
-    started = time.perf_counter()
     mb, width, repeats = (
         (4.0, 256, 1) if args.quick else (args.store_mb, 2048, args.repeats or REPEATS)
     )
@@ -106,8 +105,7 @@ def measure(args: argparse.Namespace, log) -> dict:
         )
     part_mb = os.environ.get("UNBROKEN_STORE_PART_MB", "32")
     flight = os.environ.get("UNBROKEN_STORE_CONCURRENCY", "8")
-    return {"info": info, "elapsed": time.perf_counter() - started,
-            "nbytes": common.state_bytes(model, opt), "repeats": repeats, "load": load.cores,
+    return {"info": info, "nbytes": common.state_bytes(model, opt), "repeats": repeats, "load": load.cores,
             "parts": f"{part_mb} MiB, {flight} in flight per rank", "results": results}  # fmt: skip
 
 

@@ -57,6 +57,7 @@ from report import DocsPart, Top, publish, shown_command
 class Part:
     """One part of the suite: what it measures, how it renders, where its page part is."""
 
+    # (args, log) -> the part's figures; the suite adds "command" and "elapsed" seconds
     measure: Callable[[argparse.Namespace, Callable[[str], None]], dict]
     render: Callable[..., str]  # (data, *, markdown) -> the report
     docs: DocsPart
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
         for name in parts:
             started = time.perf_counter()
             figures[name] = {**PARTS[name].measure(args, log), "command": command}
-            log(f"part {name}: {time.perf_counter() - started:.0f} s")
+            figures[name]["elapsed"] = time.perf_counter() - started
+            log(f"part {name}: {figures[name]['elapsed']:.0f} s")
         if args.results:
             Path(args.results).write_text(json.dumps(figures, indent=1))
     for name, data in figures.items():
