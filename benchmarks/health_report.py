@@ -9,7 +9,6 @@ from typing import Any
 from common import ROOT, git_revision, machine_info
 from report import table
 
-TARGET_FALSE_ALARMS = 0.01  # at most, of exact resumes
 TARGET_CAUGHT = 0.90  # at least, of optimizer resets, within HORIZON steps
 
 
