@@ -65,10 +65,12 @@ clean:
 # store (S3 on loopback vs local disk). Every part's raw figures go to
 # docs/benchmarks.json, and `$(PY) benchmarks/save_restore.py --render docs/benchmarks.json
 # --write-docs` renders the page again; its prose (the analysis of missed targets, the
-# method, notes) is written by hand in the pages, between `hand-written` markers it keeps. The part device is the GPU page, docs/benchmarks-gpu.md: benchmarks/gpu.py on
-# a machine with one GPU (`--render docs/benchmarks-gpu.json --write docs/benchmarks-gpu.md`
-# renders it again). torch-checkpointing is the bench extra, installed with torch pinned so
-# that pip never swaps the torch CI tests; without it its rows say "not installed".
+# method, notes) is written by hand in the page, between `hand-written` markers that
+# rendering keeps. The part device is the GPU page, docs/benchmarks-gpu.md: benchmarks/gpu.py
+# on a machine with one GPU (`--render docs/benchmarks-gpu.json --write
+# docs/benchmarks-gpu.md` renders it again). torch-checkpointing is the bench extra,
+# installed with torch pinned so that pip never swaps the torch CI tests; without it its
+# rows say "not installed".
 # Smoke tests: --quick (tests/e2e/test_bench_smoke.py, test_gpu_bench_smoke.py).
 STAMP_BENCH := $(VENV)/.installed-bench
 
