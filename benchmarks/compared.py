@@ -6,21 +6,13 @@ and resumed, compared bit for bit with one that never stopped.
     python benchmarks/compared.py --only accelerate    # some frameworks only
     python benchmarks/compared.py --quick --no-variants    # a smoke test: tiny data, few steps
     python benchmarks/compared.py --render docs/integrations/compared.md --write-docs
-                                                       # the page again from the results it
-                                                       # keeps, without training
+                                                       # the page again from its results
 
-The training scripts are ``benchmarks/compared/{accelerate,lightning,trainer}_run.py``:
-one training set-up per framework (dropout, shuffled data, a warm-up schedule, gradient
-accumulation), resumed either by the framework's documented recipe (``--resume own``)
-or by unbroken's integration (``--resume unbroken``). Variants run a recipe with
-another documented setting. For each case three fresh processes run: straight to the
-end; stopped at step K (``UNBROKEN_STOP_AT``: either way the run saves at K and ends);
-resumed in the stopped run's folder to the end. Every run logs each step's loss and a
-digest of the inputs it trained on, and writes its final model and optimizer tensors;
-straight and resumed are compared bit for bit: tensors that differ, the first step whose
-logged loss differs, the first step whose inputs differ. CPU runs with one thread are
-deterministic, so each case runs once. Never asserts: it prints tables (a run that fails,
-or does not stop at K, is an error).
+One training script per framework (``compared/{accelerate,lightning,trainer}_run.py``),
+resumed by the framework's documented recipe (``--resume own``) or by unbroken's
+integration (``--resume unbroken``); per case three fresh processes: straight, stopped at
+step K, resumed; straight and resumed compared bit for bit (the page says how). Never
+asserts: it prints tables (a run that fails, or does not stop at K, is an error).
 """
 
 from __future__ import annotations
@@ -42,9 +34,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from common import git_revision, machine_info
-from docs_sections import ROOT, Page
-from report import Report, bullets, shown_command, table
+from common import ROOT, git_revision, machine_info
+from report import Page, add_options, bullets, kept, publish, shown_command, table
 from unbroken.proof.runs import RunFailed, run
 from unbroken.storage.locate import location
 
@@ -53,7 +44,10 @@ SCRIPTS = Path(__file__).with_name("compared")
 # As in compared/shared.py (the scripts' side of these files and settings).
 STEPS, FINAL, STOP_AT_ENV = "steps.jsonl", "final.safetensors", "UNBROKEN_STOP_AT"
 BATCH_SIZE, ACCUMULATE = 16, 2
-MARKER = "<!-- written by benchmarks/compared.py --write-docs: rerun it, do not edit by hand -->"
+MARKER = (
+    "<!-- written by benchmarks/compared.py --write-docs: rerun it; edit by hand only its "
+    "hand-written blocks -->"
+)
 RESULTS = "<!-- compared.py results (--render reads them): "
 
 
@@ -62,39 +56,12 @@ class Framework:
     title: str
     script: str
     dist: str  # the distribution whose version the page shows
-    own: str  # the framework's documented resume, in words
-    ours: str
 
 
-FRAMEWORKS = {
-    "accelerate": Framework(
-        "Accelerate",
-        "accelerate_run.py",
-        "accelerate",
-        "`accelerator.save_state(ckpt/step_N)` every N steps; on start `load_state` of the "
-        "newest folder, the epoch and batches done read from its name, then "
-        "`skip_first_batches` (accelerate's `examples/by_feature/checkpointing.py`)",
-        "`checkpointer_for(accelerator, ckpt)` with `use_stateful_dataloader=True, "
-        "use_seedable_sampler=True` (docs/integrations/accelerate.md)",
-    ),
-    "lightning": Framework(
-        "Lightning",
-        "lightning_run.py",
-        "lightning",
-        "`ModelCheckpoint(every_n_train_steps=N, save_top_k=-1)`; on start "
-        "`trainer.fit(model, ckpt_path=<newest .ckpt>)`",
-        "`UnbrokenCallback(ckpt, every_n_steps=N)`, `fit()` without `ckpt_path` "
-        "(docs/integrations/lightning.md)",
-    ),
-    "transformers": Framework(
-        "HF Trainer",
-        "trainer_run.py",
-        "transformers",
-        "`save_steps=N`; on start `trainer.train(resume_from_checkpoint="
-        "get_last_checkpoint(output_dir))`",
-        "`UnbrokenTrainer` + `UnbrokenCallback(ckpt)`, `train()` "
-        "(docs/integrations/transformers.md)",
-    ),
+FRAMEWORKS = {  # the recipes themselves are described in the page, by hand
+    "accelerate": Framework("Accelerate", "accelerate_run.py", "accelerate"),
+    "lightning": Framework("Lightning", "lightning_run.py", "lightning"),
+    "transformers": Framework("HF Trainer", "trainer_run.py", "transformers"),
 }
 
 
@@ -186,11 +153,9 @@ class Results:
 
     @classmethod
     def read(cls, path: Path) -> Results:
-        """From a ``--results`` file, or from a page this script wrote."""
+        """From a page this script wrote."""
         text = path.read_text(encoding="utf-8")
-        if RESULTS in text:
-            text = text[text.index(RESULTS) + len(RESULTS) :].rsplit(" -->", 1)[0]
-        data = json.loads(text)
+        data = json.loads(text[text.index(RESULTS) + len(RESULTS) :].rsplit(" -->", 1)[0])
         return cls(**{**data, "rows": [Row(**r) for r in data["rows"]]})
 
     def json(self) -> str:
@@ -482,9 +447,6 @@ def page(results: Results) -> str:
     per_epoch = size["rows"] // BATCH_SIZE // ACCUMULATE
     epoch, into = divmod(size["stop_at"], per_epoch)
     where = f"{into} steps into epoch {epoch}" if into else f"at the end of epoch {epoch - 1}"
-    frameworks = list(dict.fromkeys(r.framework for r in results.rows))
-    recipes = [f"| {FRAMEWORKS[f].title} | {FRAMEWORKS[f].own} | {FRAMEWORKS[f].ours} |"
-               for f in frameworks]  # fmt: skip
     whys = []
     for r in results.rows:
         if r.kind == "own" or not r.identical:
@@ -519,15 +481,7 @@ def page(results: Results) -> str:
         "",
         *whys,
         "",
-        "## The two recipes per framework",
-        "",
-        "| framework | own resume | unbroken |",
-        "|---|---|---|",
-        *recipes,
-        "",
-        "The training scripts: `benchmarks/compared/accelerate_run.py`, "
-        "`lightning_run.py`, `trainer_run.py` (`--resume own|unbroken`); what they share "
-        "(data, model, logging) is `benchmarks/compared/shared.py`.",
+        kept("recipes", PAGE.path),
         "",
         "## How it is measured",
         "",
@@ -562,41 +516,18 @@ def page(results: Results) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--only",
-        nargs="+",
-        choices=list(FRAMEWORKS),
-        default=list(FRAMEWORKS),
-        metavar="FRAMEWORK",
-        help=f"some of {', '.join(FRAMEWORKS)}",
-    )
-    parser.add_argument("--quick", action="store_true", help="tiny data, few steps: a smoke test")
-    parser.add_argument(
-        "--variants",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="also the own recipes with other documented settings",
-    )
-    parser.add_argument(
-        "--jobs", type=int, default=os.cpu_count() or 1, help="training processes at a time"
-    )
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per run")
-    parser.add_argument(
-        "--workdir",
-        type=Path,
-        help="keep the runs here (default: a temp folder, removed unless a run fails)",
-    )
-    parser.add_argument("--results", type=Path, help="also write the results (JSON) here")
-    parser.add_argument(
-        "--render",
-        type=Path,
-        metavar="PAGE_OR_JSON",
-        help="report the results kept in a page or --results file; no runs",
-    )
-    Report.add_options(parser, PAGE)  # fmt: skip
+    add = parser.add_argument
+    add("--only", nargs="+", choices=list(FRAMEWORKS), default=list(FRAMEWORKS), metavar="NAME")
+    add("--quick", action="store_true", help="tiny data, few steps: a smoke test")
+    add("--variants", action=argparse.BooleanOptionalAction, default=True, help="other settings")
+    add("--jobs", type=int, default=os.cpu_count() or 1, help="training processes at a time")
+    add("--timeout", type=float, default=600, help="seconds per run")
+    add("--workdir", type=Path, help="keep the runs here (default: a temp folder)")
+    add("--render", type=Path, metavar="PAGE", help="report the results kept in PAGE; no runs")
+    add_options(parser, PAGE)
     args = parser.parse_args()
-    out = Report.from_args(args, PAGE)
-    real_page = out.write_docs is not None and out.write_docs.resolve() == PAGE.path
+    docs = Path(args.write_docs) if args.write_docs else None
+    real_page = docs is not None and docs.resolve() == PAGE.path
     partial = args.quick or not args.variants or set(args.only) != set(FRAMEWORKS)
     if real_page and partial and not args.render:
         parser.error(f"--write-docs into {PAGE.path} needs every framework, variant and step: "
@@ -611,10 +542,8 @@ def main() -> int:
         print(f"not written: {PAGE.path} shows every framework, variant and step (run "
               "without --quick, --only, --no-variants, or give --write-docs a PATH)",
               file=sys.stderr)  # fmt: skip
-        out.write_docs = None
-    if args.results:
-        args.results.write_text(results.json() + "\n", encoding="utf-8")
-    out.publish(text_report(results), lambda: page(results))
+        docs = None
+    publish(text_report(results), lambda: page(results), PAGE, show=args.markdown, page=docs)
     return 0
 
 

@@ -6,18 +6,11 @@
     python benchmarks/health_check.py --save-series runs/health.json   # keep the series
     python benchmarks/health_check.py --from-series runs/health.json   # judge them again
 
-Three small training scripts (``health_scripts.py``) each train straight. An exact resume
-at step K produces exactly the straight run's series, so the false-alarm rate is measured
-offline: at every cut point K the check is given the window a checkpoint keeps (the last
-``METRICS_WINDOW`` steps up to K) and then the straight run's steps after K, one at a
-time, as ``Checkpointer.track`` would. For the buggy variants training really continues
-from the state at K with the bug applied, for ``HORIZON`` steps, at evenly spaced cut
-points; the check is fed the same way. At those cut points the state also goes through a
-real ``Checkpointer`` (save at K, restore, train with ``track``): exactly (which checks
-that the first steps replay the straight series bit for bit, and gives the optimizer
-watch's false alarms) and with a fresh optimizer built after ``restore()`` (the full
-check's catches). Every run is seeded; the whole measurement is deterministic. Never
-asserts anything: it prints tables.
+Three small training scripts (``health_scripts.py``) train straight; exact resumes are
+judged offline at every cut point (an exact resume replays the straight series), buggy
+ones by really training on from the cut with the bug, at evenly spaced cut points, which
+also go through a real ``Checkpointer`` (docs/health-check.md, "Method", says how). Every
+run is seeded: the measurement is deterministic. Never asserts: it prints tables.
 """
 
 from __future__ import annotations
@@ -35,9 +28,8 @@ import torch
 
 import health_report
 import unbroken as ub
-from docs_sections import HEALTH
 from health_scripts import BUGS, SCRIPTS, Progress, Script
-from report import Report
+from report import HEALTH, add_options, publish
 from unbroken.proof import health_check as monitor
 from unbroken.proof.health_check import HORIZON, JUDGED, HealthCheck
 from unbroken.proof.run_record import METRICS_WINDOW
@@ -254,11 +246,10 @@ def main() -> int:
     parser.add_argument("--cuts", type=int, default=CUTS, help="cut points per script and bug")
     parser.add_argument("--save-series", type=Path, help="write the recorded series here")
     parser.add_argument("--from-series", type=Path, help="judge series saved earlier")
-    Report.add_options(parser, HEALTH)
+    add_options(parser, HEALTH)
     args = parser.parse_args()
     if args.write_docs and (args.quick or args.from_series):
         parser.error("--write-docs needs a full measurement (not --quick or --from-series)")
-    out = Report.from_args(args, HEALTH)
     torch.set_num_threads(1)
     logging.getLogger("unbroken").setLevel(logging.ERROR)  # the warnings are counted instead
     started = time.perf_counter()
@@ -280,9 +271,12 @@ def main() -> int:
     constants = {name: getattr(monitor, name) for name in MONITOR_CONSTANTS}
     constants.update(first_cut=FIRST_CUT, cuts=args.cuts, window=METRICS_WINDOW)
     seconds = time.perf_counter() - started
-    out.publish(
+    publish(
         health_report.tables(rates, recordings, BUGS),
         lambda: health_report.page(rates, recordings, seconds, constants, BUGS),
+        HEALTH,
+        show=args.markdown,
+        page=Path(args.write_docs) if args.write_docs else None,
     )
     print(f"({time.perf_counter() - started:.0f} s)")
     return 0

@@ -6,11 +6,9 @@ import itertools
 import statistics
 from typing import Any
 
-from common import git_revision, machine_info
-from docs_sections import ROOT
+from common import ROOT, git_revision, machine_info
 from report import table
 
-TARGET_FALSE_ALARMS = 0.01  # at most, of exact resumes
 TARGET_CAUGHT = 0.90  # at least, of optimizer resets, within HORIZON steps
 
 

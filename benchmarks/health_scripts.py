@@ -11,14 +11,8 @@ bit) or with one of the classic resume bugs applied:
 - ``lost data position``: the data stream starts again from its beginning (epoch 0,
   first batch), as when the loader's state is not saved.
 
-The scripts differ in model, data, schedule and noise:
-
-- ``gpt``: the tiny GPT of ``examples/gpt`` on its on-disk word corpus; AdamW
-  (betas 0.9/0.95, weight decay on matrices), warm-up then cosine, clipping, dropout;
-- ``mlp``: an MLP classifying a fixed synthetic set (a random teacher's labels, 10% of
-  them flipped); AdamW at a constant LR (betas 0.9/0.999), dropout, no clipping;
-- ``char-gru``: a character-level GRU on Python's own ``argparse.py`` source; AdamW
-  (betas 0.9/0.99), cosine from the start without warm-up, clipping, dropout.
+The scripts (``gpt``, ``mlp``, ``char-gru``) differ in model, data, schedule and noise
+(docs/health-check.md tabulates them).
 """
 
 from __future__ import annotations
@@ -88,6 +82,8 @@ class Script:
     steps = 0  # length of the straight run
     batch = 32
     lr = 1e-3
+    betas = (0.9, 0.999)
+    weight_decay = 0.01
     clip: float | None = None
 
     def __init__(self, seed: int) -> None:
@@ -117,16 +113,10 @@ class Script:
     def param_groups(self) -> list[dict[str, Any]]:
         return [{"params": list(self.model.parameters())}]
 
-    def betas(self) -> tuple[float, float]:
-        return 0.9, 0.999
-
-    def weight_decay(self) -> float:
-        return 0.01
-
     # The shared training loop ----------------------------------------------------------
     def build_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
-            self.param_groups(), lr=self.lr, betas=self.betas(), weight_decay=self.weight_decay()
+            self.param_groups(), lr=self.lr, betas=self.betas, weight_decay=self.weight_decay
         )
 
     def train_step(self) -> tuple[float, float]:
@@ -185,6 +175,7 @@ class GPTScript(Script):
     steps = 300
     batch = 16
     lr = 1e-2
+    betas = (0.9, 0.95)
     clip = 1.0
     warmup = 10
 
@@ -216,9 +207,6 @@ class GPTScript(Script):
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-
-    def betas(self) -> tuple[float, float]:
-        return 0.9, 0.95
 
 
 class MLPScript(Script):
@@ -256,6 +244,7 @@ class CharGRUScript(Script):
     steps = 400
     batch = 32
     lr = 5e-3
+    betas = (0.9, 0.99)
     clip = 1.0
     seq = 48
 
@@ -276,9 +265,6 @@ class CharGRUScript(Script):
 
     def lr_factor(self, step: int) -> float:
         return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(1.0, step / self.steps)))
-
-    def betas(self) -> tuple[float, float]:
-        return 0.9, 0.99
 
 
 class _CharGRU(nn.Module):

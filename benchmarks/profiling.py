@@ -1,6 +1,6 @@
 """Where ours spends its time: cProfile of a save and of cold restores.
 
-    python benchmarks/save_restore.py --sizes 1200 --profile [--top 25]
+    python benchmarks/save_restore.py --sizes 1200 --profile [--top 25] [--device cuda]
 
 Each case runs once unprofiled (its plain wall time) and once under cProfile. Threads
 that the call starts (e.g. a fingerprint worker) get their own profiler and are listed
@@ -9,6 +9,7 @@ separately; threads that existed before the call are not seen.
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import pstats
 import shutil
@@ -19,10 +20,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import paths
-import unbroken as ub
-from common import build_state, drop_page_cache, fresh_like, state_bytes
-from report import table
+import torch
+
+from common import build_state, drop_page_cache, fresh_like, state_bytes, synchronize
+from contenders import Ours, restore
+from report import size_text, table
 
 
 class ThreadProfiles:
@@ -61,25 +63,18 @@ def _where(func: tuple[str, int, str]) -> str:
     return f"{path}:{line}({name})"
 
 
-def _own_time_table(stats: pstats.Stats, wall: float, top: int) -> str:
-    entries = stats.stats  # type: ignore[attr-defined]
-    own = sorted(entries.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+def _table(stats: pstats.Stats, wall: float, top: int, *, cumulative: bool = False) -> str:
+    """The ``top`` functions by own time, or (``cumulative``) unbroken's and DCP's by
+    cumulative time, with the share of ``wall``."""
+    entries = stats.stats.items()  # type: ignore[attr-defined]
+    if cumulative:
+        entries = [
+            (f, v) for f, v in entries if "unbroken" in f[0] or "distributed/checkpoint" in f[0]
+        ]
+    ranked = sorted(entries, key=lambda kv: kv[1][3 if cumulative else 2], reverse=True)
     rows = [
-        [_where(f), str(nc), f"{tt:.3f}", f"{tt / wall:.0%}", f"{ct:.3f}"]
-        for f, (_, nc, tt, ct, _) in own
-    ]
-    return table(["function", "calls", "own s", "% of wall", "cumulative s"], rows)
-
-
-def _cumulative_table(stats: pstats.Stats, wall: float, top: int) -> str:
-    entries = stats.stats  # type: ignore[attr-defined]
-    ours = [
-        (f, v) for f, v in entries.items() if "unbroken" in f[0] or "distributed/checkpoint" in f[0]
-    ]
-    cum = sorted(ours, key=lambda kv: kv[1][3], reverse=True)[:top]
-    rows = [
-        [_where(f), str(nc), f"{tt:.3f}", f"{ct:.3f}", f"{ct / wall:.0%}"]
-        for f, (_, nc, tt, ct, _) in cum
+        [_where(f), str(nc), f"{tt:.3f}", f"{ct:.3f}", f"{(ct if cumulative else tt) / wall:.0%}"]
+        for f, (_, nc, tt, ct, _) in ranked[:top]
     ]
     return table(["function", "calls", "own s", "cumulative s", "% of wall"], rows)
 
@@ -90,10 +85,10 @@ def report(profiles: ThreadProfiles, wall: float, top: int) -> str:
     main = pstats.Stats(profiles.main)
     parts = [
         "calling thread, by own time (tottime):",
-        _own_time_table(main, wall, top),
+        _table(main, wall, top),
         "",
         "calling thread, unbroken and torch.distributed.checkpoint by cumulative time:",
-        _cumulative_table(main, wall, top),
+        _table(main, wall, top, cumulative=True),
     ]
     if profiles.workers:
         names = sorted({n.rsplit("_", 1)[0] for n, _ in profiles.workers})
@@ -104,52 +99,52 @@ def report(profiles: ThreadProfiles, wall: float, top: int) -> str:
             "",
             f"{len(profiles.workers)} thread(s) started by the call ({', '.join(names)}), "
             "by own time (they overlap the calling thread):",
-            _own_time_table(workers, wall, min(top, 12)),
+            _table(workers, wall, min(top, 12)),
         ]
     return "\n".join(parts)
 
 
-def profile(mb: float, width: int, tmp: str, top: int) -> str:
-    """Profile ours' save, restore into fresh objects and into existing ones (cold): the
-    tables of each (:func:`report`)."""
-    model, opt = build_state(mb, width)
+def profile(mb: float, width: int, tmp: str, top: int, device: torch.device) -> str:
+    """Profile ours' save, restore into fresh objects (CPU only: a resumed process builds
+    them there first) and into the existing ones, cold: the tables of each
+    (:func:`report`)."""
+    model, opt = build_state(mb, width, device)
     nbytes = state_bytes(model, opt)
     root = Path(tempfile.mkdtemp(prefix="ub-profile-", dir=tmp))
-    d = str(root / "ours")
-    steps = iter(range(1, 1_000_000))
     fresh: list = []
     out = []
     try:
-        ckpt = ub.Checkpointer(d, model=model, optimizer=opt, keep_last=None)
-        ckpt.save(next(steps))  # warm-up: first-call costs are not what we are after
+        ours = Ours(root, model, opt, device)
+        ours.save()  # warm-up: first-call costs are not what we are after
 
         def fresh_objects() -> None:
-            fresh.clear()
-            fresh.extend(fresh_like(model))
-            drop_page_cache([d])
+            fresh[:] = fresh_like(model)
+            drop_page_cache([str(ours.dir)])
 
         cases: list[tuple[str, Callable[[], object], Callable[[], object]]] = [
-            ("save (sync)", lambda: ckpt.save(next(steps)),
-             lambda: paths.clear_steps(d)),
-            ("restore, fresh objects", lambda: paths.ours_restore(d, *fresh), fresh_objects),
-            ("restore, existing objects", lambda: paths.ours_restore(d, model, opt),
-             lambda: drop_page_cache([d])),
+            ("save (sync)", ours.save, ours.clear),
+            ("restore, existing objects", lambda: restore("ours", ours.dir, model, opt),
+             lambda: drop_page_cache([str(ours.dir)])),
         ]  # fmt: skip
+        if device.type == "cpu":
+            cases.insert(1, ("restore, fresh objects", lambda: restore("ours", ours.dir, *fresh),
+                             fresh_objects))  # fmt: skip
         for name, fn, setup in cases:
-            setup()
-            start = time.perf_counter()
-            fn()
-            plain = time.perf_counter() - start
-            setup()
-            with ThreadProfiles() as profiles:
-                start = time.perf_counter()
-                fn()
-                wall = time.perf_counter() - start
+            timings = []
+            for profiled in (False, True):
+                setup()
+                synchronize(device)
+                with ThreadProfiles() if profiled else contextlib.nullcontext() as profiles:
+                    start = time.perf_counter()
+                    fn()
+                    synchronize(device)
+                    timings.append(time.perf_counter() - start)
+            plain, wall = timings
             out.append(
-                f"== cProfile of ours, {name}: {nbytes / 1e9:.2f} GB; {plain:.3f} s "
+                f"== cProfile of ours, {name}: {size_text(nbytes)} on {device}; {plain:.3f} s "
                 f"unprofiled, {wall:.3f} s under the profiler\n{report(profiles, wall, top)}"
             )
-        ckpt.close()
+        ours.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return "\n\n".join(out)

@@ -1,39 +1,42 @@
-"""How every benchmark shows its figures: one table renderer, the cells it is given, and
-one report path.
+"""How every benchmark shows its figures: one table renderer, the cells it is given, the
+docs pages and the part of them each report owns, and one way to publish.
 
-Every script prints its report through :class:`Report`: the plain text to stdout, its
-markdown to stdout as well with ``--markdown``, and with ``--write-docs [PATH]`` into the
-part of a docs page it owns (``docs_sections``: above the marker of docs/benchmarks.md,
-one section below it, or all of docs/health-check.md). Every table is :func:`table`.
-
-    parser = argparse.ArgumentParser()
-    Report.add_options(parser, ASYNC)
-    args = parser.parse_args()
-    out = Report.from_args(args, ASYNC)
-    ...
-    out.publish(text, lambda: markdown_of(text))  # markdown rendered only when wanted
+Every report goes through :func:`publish`: the plain text to stdout, its markdown to
+stdout as well with ``--markdown``, and with ``--write-docs [PATH]`` into the part of a
+page it owns (a :class:`DocsPart`). docs/benchmarks.md is shared: the save/restore
+suite's one-process report owns everything above the ``OTHERS`` marker line
+(:class:`Top`); every other report on it owns one section below the marker, between
+``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` (:class:`Section`). Other pages are
+owned whole (:class:`Page`). Prose is written by hand in the pages (:func:`kept`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Protocol
 
-from docs_sections import DocsPart
+from common import ROOT
+
+DOCS = ROOT / "docs" / "benchmarks.md"
+OTHERS = "<!-- Sections below belong to other benchmarks"
+OTHERS_LINE = (
+    f"{OTHERS} (save_restore.py's parts store, async and peers); its part single keeps them. -->"
+)
 
 
 def table(headers: list[str], rows: list[list[str]]) -> str:
     """A markdown table, every column padded to its widest cell (readable as plain text)."""
     widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
-    line = "| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |"
+
+    def line(cells: Iterable[object]) -> str:
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
-    body = [
-        "| " + " | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
-        for r in rows
-    ]
-    return "\n".join([line, sep, *body])
+    return "\n".join([line(headers), sep, *(line(r) for r in rows)])
 
 
 # Cells ---------------------------------------------------------------------------------
@@ -45,14 +48,23 @@ def median_span(times: list[float], digits: int = 3) -> tuple[str, str]:
     return f"{statistics.median(times):.{digits}f}", f"{lo:.{digits}f}-{hi:.{digits}f}"
 
 
+def median(times: list[float] | None) -> float | None:
+    return statistics.median(times) if times else None
+
+
 def factor(value: float | None, suffix: str = "x") -> str:
     """``1.23x``, or ``-`` where there is nothing to show."""
     return "-" if value is None else f"{value:.2f}{suffix}"
 
 
+def over(value: float | None, ref: float | None) -> float | None:
+    """``value / ref``, or None where either is missing (or ``ref`` is 0)."""
+    return value / ref if value is not None and ref else None
+
+
 def ratio(value: float | None, ref: float | None) -> str:
-    """``value / ref`` as a factor, or ``-`` where either is missing (or ``ref`` is 0)."""
-    return factor(value / ref) if value is not None and ref else "-"
+    """``value / ref`` as a factor, or ``-``."""
+    return factor(over(value, ref))
 
 
 def size_text(n: int) -> str:
@@ -84,67 +96,159 @@ def shown_command(script: str, argv: Iterable[str]) -> str:
     return " ".join([f"python benchmarks/{script}", *out])
 
 
-# The report path -----------------------------------------------------------------------
+# Hand-written prose in the pages: the analysis, the method, the notes ----------------------
 
 
-class Report:
-    """Where one run's report goes: always stdout; its markdown also to stdout
-    (``markdown``) and into ``part`` of the page at ``write_docs``.
+def kept(name: str, page: Path = DOCS) -> str:
+    """The hand-written block ``name`` of the committed ``page``, its two marker lines
+    included ("" where there is none), for a report to put back as it is: prose is
+    edited in the page, and rendering the figures again leaves it alone."""
+    start, end = f"<!-- hand-written {name}:start -->", f"<!-- hand-written {name}:end -->"
+    text = page.read_text(encoding="utf-8") if page.is_file() else ""
+    if start not in text or end not in text:
+        return ""
+    return start + text.split(start, 1)[1].split(end, 1)[0] + end
 
-    Args:
-        part: the part of a docs page this script owns (None: it prints only).
-        markdown: also print the markdown.
-        write_docs: the page to put the markdown into (None: no page is written).
 
-    Raises:
-        ValueError: ``write_docs`` without a ``part`` to put there.
-    """
+def why_missed(topic: str) -> str:
+    """Where the analysis (the block ``analysis`` of DOCS, one heading per topic)
+    explains ``topic``, or that it does not yet."""
+    headings = {x.lstrip("#").strip() for x in kept("analysis").splitlines() if x[:1] == "#"}
+    if topic in headings:
+        return f"Why: *{topic}* in the analysis (docs/benchmarks.md)."
+    return "Why: not analysed yet."
 
-    def __init__(
-        self,
-        part: DocsPart | None = None,
-        *,
-        markdown: bool = False,
-        write_docs: Path | None = None,
-    ) -> None:
-        if write_docs is not None and part is None:
-            raise ValueError(f"write_docs needs the part of the page to write, got {part}")
-        self.part = part
-        self.markdown = markdown
-        self.write_docs = write_docs
 
-    @staticmethod
-    def add_options(
-        parser: argparse.ArgumentParser, part: DocsPart, *, markdown: bool = True
-    ) -> None:
-        """``--write-docs [PATH]`` and, where the printed report is not the markdown
-        itself, ``--markdown``."""
-        if markdown:
-            parser.add_argument("--markdown", action="store_true",
-                                help="also print the markdown")  # fmt: skip
-        parser.add_argument("--write-docs", nargs="?", const=str(part.path), default=None,
-                            metavar="PATH",
-                            help=f"put the markdown in {part.describe(part.path)} (or in "
-                            "PATH)")  # fmt: skip
+# Pages and the parts of them each report owns -------------------------------------------
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, part: DocsPart) -> Report:
-        docs = Path(args.write_docs) if args.write_docs else None
-        return cls(part, markdown=getattr(args, "markdown", False), write_docs=docs)
+
+class DocsPart(Protocol):
+    """The part of a docs page one report owns."""
 
     @property
-    def wants_markdown(self) -> bool:
-        return self.markdown or self.write_docs is not None
+    def path(self) -> Path:
+        """The page it is in, unless the script is told another one."""
 
-    def publish(self, text: str, markdown: Callable[[], str] | None = None) -> None:
-        """Print ``text``; render ``markdown`` if it is wanted, print it and/or put it in
-        this script's part of the page, saying where."""
-        print("\n" + text)
-        if markdown is None or not self.wants_markdown:
-            return
-        md = markdown()
-        if self.markdown:
-            print("\n" + md)
-        if self.write_docs is not None and self.part is not None:
-            self.part.put(md, self.write_docs)
-            print(f"\nwrote {self.part.describe(self.write_docs)}")
+    def put(self, markdown: str, page: Path) -> None:
+        """Replace this part of ``page`` with ``markdown``, keeping the rest."""
+
+    def describe(self, page: Path) -> str:
+        """This part of ``page``, in words."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Top:
+    """Everything above the ``OTHERS`` marker line."""
+
+    path: Path = DOCS
+
+    def put(self, markdown: str, page: Path) -> None:
+        text = page.read_text() if page.exists() else ""
+        below = text[text.index(OTHERS) :] if OTHERS in text else ""
+        page.write_text(markdown.rstrip("\n") + "\n\n" + below)
+
+    def describe(self, page: Path) -> str:
+        return f"{page} (above the other benchmarks' sections)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """One section below the ``OTHERS`` marker line, between its own markers: in place of
+    the old one, else at the end (below the marker line, added if missing)."""
+
+    name: str
+    path: Path = DOCS
+
+    def put(self, markdown: str, page: Path) -> None:
+        start, end = f"<!-- {self.name}:start -->", f"<!-- {self.name}:end -->"
+        block = f"{start}\n{markdown.strip()}\n{end}"
+        text = page.read_text() if page.exists() else ""
+        if OTHERS in text:  # the marker line names every script that owns a part
+            i = text.index(OTHERS)
+            nl = text.find("\n", i)
+            text = text[:i] + OTHERS_LINE + (text[nl:] if nl >= 0 else "")
+        else:
+            text = text.rstrip("\n") + "\n\n" + OTHERS_LINE + "\n"
+        if start in text and end in text:
+            head, rest = text.split(start, 1)
+            text = head + block + rest.split(end, 1)[1]
+        else:
+            text = text.rstrip("\n") + "\n\n" + block + "\n"
+        page.write_text(text)
+
+    def describe(self, page: Path) -> str:
+        return f"the {self.name} section of {page}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+    """A whole page."""
+
+    path: Path
+
+    def put(self, markdown: str, page: Path) -> None:
+        page.write_text(markdown, encoding="utf-8")
+
+    def describe(self, page: Path) -> str:
+        return str(page)
+
+
+HEALTH = Page(ROOT / "docs" / "health-check.md")
+
+
+def add_options(parser: argparse.ArgumentParser, part: DocsPart) -> None:
+    """``--markdown`` (also print it) and ``--write-docs [PATH]`` (put it in ``part`` of
+    its page, or of PATH)."""
+    parser.add_argument("--markdown", action="store_true", help="also print the markdown")
+    parser.add_argument(
+        "--write-docs",
+        nargs="?",
+        const=str(part.path),
+        metavar="PATH",
+        help=f"put the markdown in {part.describe(part.path)} (or in PATH)",
+    )
+
+
+def publish(
+    text: str,
+    markdown: Callable[[], str],
+    part: DocsPart,
+    *,
+    show: bool = False,
+    page: Path | None = None,
+) -> None:
+    """Print ``text``; where the markdown is wanted, render it: print it (``show``) and
+    put it in ``part`` of ``page``, saying so."""
+    print("\n" + text)
+    md = markdown() if show or page is not None else ""
+    if show:
+        print("\n" + md)
+    if page is not None:
+        part.put(md, page)
+        print(f"\nwrote {part.describe(page)}")
+
+
+@dataclasses.dataclass
+class Target:
+    """A target a run is judged against: ``value`` (None: not measured) within ``limit``."""
+
+    name: str
+    value: float | None
+    limit: float
+    shown: str  # the measured value as read by a person
+    wanted: str
+    higher_is_better: bool = False
+    why_none: str = "not measured"
+    topic: str = ""  # the heading of the analysis that says why it is missed
+    evidence: str = ""  # the two measurements behind the ratio, with their spreads
+
+    def status(self) -> str:
+        if self.value is None:
+            return f"n/a ({self.why_none})"
+        if self.higher_is_better:
+            return (
+                "met"
+                if self.value >= self.limit
+                else f"missed by {self.limit / self.value - 1:.0%}"
+            )
+        return "met" if self.value <= self.limit else f"missed by {self.value / self.limit - 1:.0%}"

@@ -1,22 +1,32 @@
-"""Save and restore of a training state: ours against the disk, torch.save and raw DCP.
+"""Save and restore, ours against the disk and every peer: the one benchmark suite.
 
-    python benchmarks/save_restore.py                  # 0.3, 1.2 and 3 GB, median of 5
-    python benchmarks/save_restore.py --sizes 4800     # larger states
-    python benchmarks/save_restore.py --quick          # a tiny state, 1 run: a smoke test
-    python benchmarks/save_restore.py --write-docs     # also regenerate docs/benchmarks.md
-    python benchmarks/save_restore.py --sizes 1200 --profile   # where ours spends time
-    python benchmarks/save_restore.py --write-docs --results run.json  # keep the figures
-    python benchmarks/save_restore.py --render run.json --write-docs   # re-render them
-                                                                       # (analysis.md edited)
+    python benchmarks/save_restore.py                    # every CPU part; prints the tables
+    python benchmarks/save_restore.py --quick            # tiny states, 1-2 runs: a smoke test
+    python benchmarks/save_restore.py --batch 1 --write-docs --results docs/benchmarks.json
+                                                         # make bench
+    python benchmarks/save_restore.py --render docs/benchmarks.json --write-docs
+                                                         # the pages again from kept figures
+    python benchmarks/save_restore.py --parts single --sizes 4800 --ranks 4
+    python benchmarks/save_restore.py --device cuda      # the GPU page (benchmarks/gpu.py)
+    python benchmarks/save_restore.py --sizes 1200 --profile [--device cuda]
 
-For each size, in one run: (a) the disk floor (plain writes + fsync, cold reads),
-(b) torch.save + fsync and torch.load + load_state_dict, (c) raw DCP through
-get_state_dict/set_state_dict, (d) ours (sync save, cold restore into fresh and into
-existing objects, async save when the Checkpointer accepts it), one copy of the state
-into preallocated memory, the verification share, and the same on 2 FSDP2 ranks under
-torchrun. Prints tables of seconds, GB/s, ratios and peak extra RSS, and the targets of
-issue 15 with where we stand, and the cost per GB across the sizes. Never asserts
-timings.
+Every way to save and restore is a contender (``contenders.py``). The parts, each a
+``measure`` and a ``render`` and the part of a page it owns:
+
+- ``single`` (``part_single.py``, ``single_report.py``): every path in one process at
+  each of ``--sizes``, and on ``--ranks`` FSDP2 ranks (``part_ranks.py``; 1: none), with
+  the targets of issue 15: docs/benchmarks.md above the other sections.
+- ``peers`` (``part_peers.py``): ours, DCP, ``torch.save`` and torch-checkpointing side by
+  side at ``--peer-sizes``, restores in a fresh process: its section of that page.
+- ``async`` (``part_async.py``): training blocked per ``async_save`` mode.
+- ``store`` (``part_store.py``): S3 on loopback against local disk.
+- ``device`` (``part_device.py``): one process on ``--device`` (a GPU), floors and every
+  contender: docs/benchmarks-gpu.md (``benchmarks/gpu.py`` runs it).
+
+On ``--device cpu`` the first four run by default; on ``--device cuda``, ``device``.
+``--results FILE`` keeps every part's raw figures as JSON; ``--render FILE`` measures
+nothing and renders the parts that FILE holds (also the JSON an older ``save_restore.py``
+or ``gpu.py --results`` wrote). Never asserts timings.
 """
 
 from __future__ import annotations
@@ -24,371 +34,138 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
-import paths
+import part_async
+import part_device
+import part_peers
+import part_single
+import part_store
 import profiling
-import save_restore_report
-import unbroken as ub
-from common import (
-    Measurement,
-    OtherLoad,
-    build_state,
-    combined_digest,
-    drop_page_cache,
-    fresh_like,
-    git_revision,
-    machine_info,
-    measure,
-    release_free_memory,
-    rotated,
-    source_digests,
-    state_bytes,
-    state_tensors,
-)
-from docs_sections import SAVE_RESTORE
-from report import Report, inline, shown_command
-from save_restore_figures import Row, SizeResult, load_results, save_results
-from verification_cost import checksum_all, fingerprint_all
-
-HERE = Path(__file__).resolve().parent
-
-QUICK_MB, QUICK_WIDTH = 4.0, 256
+import single_report
+from report import DocsPart, Top, publish, shown_command
 
 
-@dataclasses.dataclass
-class Case:
-    """One path to measure: ``fn`` timed, ``setup``/``teardown`` untimed around it."""
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One part of the suite: what it measures, how it renders, where its page part is."""
 
-    key: str
-    label: str
-    fn: Callable[[], object]
-    setup: Callable[[], object] | None = None
-    teardown: Callable[[], object] | None = None
-    times: list[float] = dataclasses.field(default_factory=list)
-    peak: int = 0
-    error: str | None = None
-
-    def run_once(self) -> None:
-        if self.error is not None:
-            return
-        try:
-            m = measure(self.fn, 1, setup=self.setup, teardown=self.teardown)
-        except Exception as exc:
-            self.error = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            print(f"\n  {self.label} failed: {self.error}", flush=True)
-            return
-        self.times += m.times
-        self.peak = max(self.peak, m.peak_extra)
-
-    def row(self) -> Row:
-        if self.error is not None or not self.times:
-            return Row(self.label, None, error=self.error or "not run")
-        return Row(self.label, Measurement(self.times, self.peak))
+    # (args, log) -> the part's figures; the suite adds "command" and "elapsed" seconds
+    measure: Callable[[argparse.Namespace, Callable[[str], None]], dict]
+    render: Callable[..., str]  # (data, *, markdown) -> the report
+    docs: DocsPart
 
 
-class Bench:
-    """All single-process measurements of one state size, in one temp folder.
-
-    The cases run round-robin (every case once per round, ``repeats`` rounds, saves
-    first, then restores, then copies, each group rotated by one place per round) so that
-    load from other processes and the disk's state spread over all of them alike; each
-    round's restores read the files its saves just wrote.
-    """
-
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer, root: Path, repeats: int):
-        self.model, self.opt = model, opt
-        self.tensors = state_tensors(model, opt)
-        self.nbytes = state_bytes(model, opt)
-        self.root = root
-        self.repeats = repeats
-        self.rows: dict[str, Row] = {}
-        self.notes: list[str] = []
-        self._targets: list[torch.Tensor] = []  # preallocated, touched: read/copy targets
-        self._fresh: list = []  # the fresh model and optimizer of a restore
-
-    def path(self, name: str) -> str:
-        return str(self.root / name)
-
-    def run(self) -> None:
-        ckpt = ub.Checkpointer(
-            self.path("ours"), model=self.model, optimizer=self.opt, keep_last=None
-        )
-        asynchronous = self._async_case()
-        self._targets = [torch.zeros_like(t) for t in self.tensors]
-        groups = [[*self._save_cases(ckpt), *asynchronous], self._restore_cases(), self._other()]
-        cases = [case for group in groups for case in group]
-        try:
-            for i in range(self.repeats):
-                started = time.perf_counter()
-                for group in groups:
-                    for case in rotated(group, i):
-                        case.run_once()
-                print(f"  round {i + 1}/{self.repeats}: {time.perf_counter() - started:.1f} s",
-                      flush=True)  # fmt: skip
-        finally:
-            ckpt.close()
-            if self._async is not None:
-                self._async.close()
-            self._targets.clear()
-        for case in cases:
-            self.rows[case.key] = case.row()
-        if self._async is not None:
-            self.rows["async_block"] = Row(
-                "(d) ours: async save, blocked in save()",
-                Measurement(self._blocked, self.rows["async_commit"].m.peak_extra)
-                if self.rows["async_commit"].m is not None
-                else None,
-                error=self.rows["async_commit"].error,
-            )
-        ok = [self.rows[k] for k in ("dcp_save_1", "dcp_save_2") if self.rows[k].m is not None]
-        self.rows["dcp_save"] = (
-            min(ok, key=lambda r: r.m.median) if ok else self.rows["dcp_save_1"]  # type: ignore[union-attr]
-        )
-
-    def _cold(self, name: str) -> Callable[[], None]:
-        return lambda: drop_page_cache([self.path(name)])
-
-    def _clear(self, name: str) -> Callable[[], None]:
-        return lambda: paths.clear(self.path(name))
-
-    def _fresh_objects(self, name: str) -> Callable[[], None]:
-        def setup() -> None:
-            self._fresh.clear()
-            release_free_memory()
-            self._fresh.extend(fresh_like(self.model))
-            drop_page_cache([self.path(name)])
-
-        return setup
-
-    def _save_cases(self, ckpt: ub.Checkpointer) -> list[Case]:
-        m, o, t = self.model, self.opt, self.tensors
-        steps = iter(range(1, 1_000_000))
-        ours = self.path("ours")
-        return [
-            Case("floor_write", "(a) write + fsync",
-                 lambda: paths.write_raw(t, self.path("raw.bin")), self._clear("raw.bin")),
-            Case("torch_save", "(b) torch.save + fsync",
-                 lambda: paths.torch_save(m, o, self.path("full.pt")), self._clear("full.pt")),
-            Case("dcp_save_1", "(c) DCP save, thread_count=1",
-                 lambda: paths.dcp_save(m, o, self.path("dcp1"), 1), self._clear("dcp1")),
-            Case("dcp_save_2", "(c) DCP save, thread_count=2",
-                 lambda: paths.dcp_save(m, o, self.path("dcp2"), 2), self._clear("dcp2")),
-            Case("ours_save", "(d) ours: save (sync, verified)",
-                 lambda: ckpt.save(next(steps)), lambda: paths.clear_steps(ours)),
-        ]  # fmt: skip
-
-    def _restore_cases(self) -> list[Case]:
-        m, o = self.model, self.opt
-        fresh = self._fresh
-        raw, ours = self.path("raw.bin"), self.path("ours")
-        return [
-            Case("floor_read", "(a) cold read into existing tensors",
-                 lambda: paths.read_raw(self._targets, raw), self._cold("raw.bin")),
-            # Built fresh objects first, as the restores into fresh objects do: a resumed
-            # process has built its model before it reads, and this VM's first touch of
-            # memory depends on what was freed and built just before (docs/benchmarks.md).
-            Case("floor_read_new", "(a) cold read into new tensors",
-                 lambda: paths.read_raw_new(self.tensors, raw), self._fresh_objects("raw.bin"),
-                 fresh.clear),
-            Case("torch_load", "(b) torch.load + load_state_dict, existing objects",
-                 lambda: paths.torch_load(m, o, self.path("full.pt")), self._cold("full.pt")),
-            Case("dcp_load", "(c) DCP load + set_state_dict, existing objects",
-                 lambda: paths.dcp_load(m, o, self.path("dcp1")), self._cold("dcp1")),
-            Case("dcp_load_fresh", "(c) DCP load + set_state_dict, fresh objects",
-                 lambda: paths.dcp_load(*fresh, self.path("dcp1")), self._fresh_objects("dcp1"),
-                 fresh.clear),
-            Case("ours_restore_fresh", "(d) ours: restore, fresh objects",
-                 lambda: paths.ours_restore(ours, *fresh), self._fresh_objects("ours"),
-                 fresh.clear),
-            Case("ours_restore", "(d) ours: restore, existing objects",
-                 lambda: paths.ours_restore(ours, m, o), self._cold("ours")),
-        ]  # fmt: skip
-
-    def _other(self) -> list[Case]:
-        t = self.tensors
-        return [
-            Case("copy", "one copy of the state into preallocated memory",
-                 lambda: paths.copy_into(self._targets, t)),
-            Case("clone", "one copy of the state into new memory (clone)",
-                 lambda: [x.clone() for x in t]),
-            Case("fingerprints", "fingerprints, every tensor once", lambda: fingerprint_all(t)),
-            Case("checksums", "xxh3-128 checksums, every tensor once", lambda: checksum_all(t)),
-        ]  # fmt: skip
-
-    def _async_case(self) -> list[Case]:
-        """The async save: its first call now (it may allocate staging memory that later
-        calls reuse), then one case per round timed until commit, recording the time
-        ``save()`` blocked on the side."""
-        d = self.path("ours_async")
-        self._blocked: list[float] = []
-        self._async, refused = paths.async_checkpointer(d, self.model, self.opt)
-        if self._async is None:
-            self.notes.append(f"async save: n/a, `async_save=True` is refused ({refused})")
-            for key, label in [
-                ("async_first", "(d) ours: async save, first call, blocked"),
-                ("async_block", "(d) ours: async save, blocked in save()"),
-                ("async_commit", "(d) ours: async save, until committed"),
-            ]:
-                self.rows[key] = Row(label, None, error="n/a", na=True)
-            print(f"  async save: n/a ({refused})")
-            return []
-        ckpt = self._async
-        timeout = 60 + 30 * self.nbytes / 1e9
-        steps = iter(range(1, 1_000_000))
-
-        def save_until_committed() -> None:
-            step = next(steps)
-            start = time.perf_counter()
-            ckpt.save(step)
-            self._blocked.append(time.perf_counter() - start)
-            if not paths.wait_committed(ckpt, step, timeout):
-                raise RuntimeError(f"step {step} was not committed within {timeout:.0f} s")
-
-        first = Case("async_first", "(d) ours: async save, first call, blocked",
-                     save_until_committed, lambda: paths.clear_steps(d))  # fmt: skip
-        first.run_once()
-        self.rows["async_first"] = (
-            Row(first.label, Measurement(self._blocked[:1], first.peak))
-            if first.error is None
-            else first.row()
-        )
-        self._blocked.clear()
-        return [
-            Case("async_commit", "(d) ours: async save, until committed",
-                 save_until_committed, lambda: paths.clear_steps(d))
-        ]  # fmt: skip
+PARTS = {
+    "single": Part(part_single.measure, single_report.render, Top()),
+    "peers": Part(part_peers.measure, part_peers.render, part_peers.SECTION),
+    "async": Part(part_async.measure, part_async.render, part_async.SECTION),
+    "store": Part(part_store.measure, part_store.render, part_store.SECTION),
+    "device": Part(part_device.measure, part_device.render, part_device.PAGE),
+}
+CPU_PARTS = ["single", "peers", "async", "store"]
 
 
-def run_fsdp(mb: float, width: int, repeats: int, root: Path, timeout: float) -> dict:
-    """The 2-rank FSDP2 measurements (``fsdp_worker.py`` under torchrun), as a dict."""
-    out = root / "fsdp.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        str(HERE / "fsdp_worker.py"), "--mb", str(mb), "--width", str(width),
-        "--repeats", str(repeats), "--dir", str(root / "fsdp"), "--out", str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    print("  2-rank FSDP2 under torchrun ...", flush=True)
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"torchrun did not finish within {timeout:.0f} s"}
-    finally:
-        shutil.rmtree(root / "fsdp", ignore_errors=True)
-    if proc.returncode != 0 or not out.exists():
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        return {"error": f"torchrun exited {proc.returncode}: " + " | ".join(tail)}
-    return json.loads(out.read_text())
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
-def bench_size(mb: float, width: int, repeats: int, tmp: str, fsdp: bool) -> SizeResult:
-    model, opt = build_state(mb, width)
-    load: dict[str, float] = {}
-    fsdp_result = None
-    root = Path(tempfile.mkdtemp(prefix="ub-bench-", dir=tmp))
-    try:
-        b = Bench(model, opt, root, repeats)
-        print(f"\n== state {b.nbytes / 1e9:.3f} GB ({len(b.tensors)} tensors), {repeats} rounds")
-        with OtherLoad() as other:
-            b.run()
-        load["1 process"] = other.cores
-        if fsdp:
-            with OtherLoad() as other:
-                fsdp_result = run_fsdp(
-                    mb, width, repeats, root, timeout=300 + 60 * repeats * b.nbytes / 1e9
-                )
-            load["FSDP2"] = other.cores
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return SizeResult(mb, b.nbytes, len(b.tensors), repeats, b.rows, b.notes, fsdp_result, load)
+def load_results(path: Path) -> dict[str, dict]:
+    """Part -> its figures, from ``--results`` of this suite, or of the scripts before it
+    (save_restore.py's figures are the part ``single``, gpu.py's the part ``device``)."""
+    body = json.loads(path.read_text())
+    if "results" in body:
+        return {"single": body}
+    if "figures" in body:
+        return {"device": body}
+    return body
 
 
-def measure_sizes(args: argparse.Namespace) -> tuple[list[SizeResult], dict[str, str]]:
-    """Every size's figures, and the machine and the code they were measured on."""
-    info = machine_info(args.tmpdir)
-    package = os.path.dirname(ub.__file__)
-    sources = source_digests(package)
-    info["unbroken"] = (
-        f"{ub.__version__}, revision {git_revision(str(HERE.parent))}, sources "
-        f"{combined_digest(sources)}"
-    )
-    print("machine: " + inline(info))
-    results = [
-        bench_size(mb, args.width, args.repeats, args.tmpdir, not args.no_fsdp) for mb in args.sizes
-    ]
-    now = source_digests(package)
-    changed = sorted(f for f in sources.keys() | now.keys() if sources.get(f) != now.get(f))
-    if changed:
-        info["unbroken"] += (
-            f" (WARNING: {', '.join(changed)} changed during the run; the FSDP2 workers, "
-            "started later, may have run the newer code)"
-        )
-    return results, info
-
-
-def main() -> None:
+def options() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--sizes", type=float, nargs="+", default=[300, 1200, 3000],
-                        metavar="MB", help="state sizes in MB (default: 300 1200 3000)")  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=5, help="runs per measurement (>= 5)")
-    parser.add_argument("--width", type=int, default=2048, help="Linear layer width")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke test: a {QUICK_MB:g} MB state, 1 run of each")  # fmt: skip
-    parser.add_argument("--no-fsdp", action="store_true", help="skip the 2-rank FSDP2 part")
-    Report.add_options(parser, SAVE_RESTORE)
-    parser.add_argument("--tmpdir", default=tempfile.gettempdir(),
-                        help="where the temporary checkpoints go (one disk for all)")  # fmt: skip
-    parser.add_argument("--profile", action="store_true",
-                        help="instead of the tables, cProfile ours' save and restore")  # fmt: skip
-    parser.add_argument("--top", type=int, default=25, help="functions listed by --profile")
-    parser.add_argument("--results", metavar="JSON", default=None,
-                        help="also write the measured figures and the machine to JSON")  # fmt: skip
-    parser.add_argument("--render", metavar="JSON", default=None,
-                        help="measure nothing: render the figures --results wrote (with the "
-                        "analysis.md of now)")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads of the single process (default: torch's; "
-                        "FSDP2 ranks always use 1)")  # fmt: skip
-    args = parser.parse_args()
-    out = Report.from_args(args, SAVE_RESTORE)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if args.quick:
-        args.sizes, args.repeats, args.width = [QUICK_MB], 1, QUICK_WIDTH
+    add = parser.add_argument
+    add("--device", choices=["cpu", "cuda"], default="cpu", help="where the state lives")
+    add("--parts", nargs="+", choices=list(PARTS), help="default: the CPU parts; cuda: device")
+    add("--quick", action="store_true", help="smoke test: tiny states, 1-2 runs of each")
+    add("--sizes", type=float, nargs="+", metavar="MB", help="of single (or the one of device)")
+    add("--ranks", type=int, default=2, help="FSDP2 ranks of single (1: one process only)")
+    add("--peer-sizes", type=float, nargs="+", metavar="MB", help="of peers (default 300 1200)")
+    add("--async-mb", type=float, default=part_async.MB, help="state size of async (MB)")
+    add("--batch", type=int, default=part_async.BATCH, help="rows per training step of async")
+    add("--store-mb", type=float, default=part_store.MB, help="state size of store (MB)")
+    add("--repeats", "--runs", type=int, help="runs per measurement (default 5; device 3)")
+    add("--width", type=int, help="Linear layer width (default 2048; device 4096)")
+    add("--tmpdir", default=tempfile.gettempdir(), help="where the checkpoints go (one disk)")
+    add("--profile", action="store_true", help="instead: cProfile ours at each of --sizes")
+    add("--top", type=int, default=25, help="functions listed by --profile")
+    add("--results", metavar="JSON", help="also write every part's raw figures to JSON")
+    add("--render", metavar="JSON", help="measure nothing: render the figures of --results")
+    add("--markdown", action="store_true", help="also print the markdown")
+    add(
+        "--write-docs",
+        nargs="?",
+        const="",
+        metavar="PATH",
+        help="put each part's markdown in its part of its page (or of PATH)",
+    )
+    return parser
 
-    started = time.perf_counter()
-    if args.profile:
-        out.publish(
-            "\n\n".join(
-                profiling.profile(mb, args.width, args.tmpdir, args.top) for mb in args.sizes
-            )
+
+def main(argv: list[str] | None = None, command: str | None = None) -> None:
+    """The suite; ``command``: the command line the pages show (default: this one's)."""
+    parser = options()
+    args = parser.parse_args(argv)
+    command = command or shown_command("save_restore.py", sys.argv[1:])
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        parser.error(
+            f"--device cuda: no CUDA device on this machine (torch {torch.__version__}, CUDA "
+            f"build {torch.version.cuda or 'none'}); use --device cpu"
         )
+    parts = args.parts or (["device"] if cuda else CPU_PARTS)
+    if cuda and set(parts) - {"device"}:
+        parser.error("on --device cuda only the part device runs (the others measure the CPU)")
+    args.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP, 1 process
+    if args.profile:
+        sizes = args.sizes or [part_single.QUICK_MB if args.quick else 1200]
+        width = args.width or (part_single.QUICK_WIDTH if args.quick else part_single.WIDTH)
+        for mb in sizes:
+            print("\n" + profiling.profile(mb, width, args.tmpdir, args.top, args.device))
         return
     if args.render:
-        results, info, elapsed, command = load_results(Path(args.render))
+        found = load_results(Path(args.render))
+        figures = {name: found[name] for name in (args.parts or PARTS) if name in found}
     else:
-        results, info = measure_sizes(args)
-        elapsed = time.perf_counter() - started
-        command = shown_command("save_restore.py", sys.argv[1:])
+        figures = {}
+        for name in parts:
+            started = time.perf_counter()
+            figures[name] = {**PARTS[name].measure(args, log), "command": command}
+            figures[name]["elapsed"] = time.perf_counter() - started
+            log(f"part {name}: {figures[name]['elapsed']:.0f} s")
         if args.results:
-            save_results(Path(args.results), results, info, elapsed, command)
-    out.publish(
-        save_restore_report.render(results, info, elapsed, markdown=False),
-        lambda: save_restore_report.render(results, info, elapsed, markdown=True, command=command),
-    )
+            Path(args.results).write_text(json.dumps(figures, indent=1))
+    for name, data in figures.items():
+        part, page = PARTS[name], args.write_docs
+        if name == "device" and page == "" and not data["cuda"]:
+            log(f"not written: {part.docs.path} is a GPU's page (give --write-docs a PATH)")
+            page = None
+        publish(
+            part.render(data, markdown=False),
+            lambda part=part, data=data: part.render(data, markdown=True),
+            part.docs,
+            show=args.markdown,
+            page=None if page is None else Path(page or part.docs.path),
+        )
 
 
 if __name__ == "__main__":

@@ -4,25 +4,11 @@
     python benchmarks/scaling.py --ranks 2 4 --repeats 1  # quicker
     python benchmarks/scaling.py --rounds                 # also list every collective call
 
-Each rank count is one ``torchrun --standalone`` job on this machine (gloo on CPU, one
-process per rank, ``OMP_NUM_THREADS=1``). Every rank builds the same small FSDP2 model
-(transformer-shaped blocks of Linear and LayerNorm layers, ``fully_shard`` per block and
-at the root on a mesh of every rank; AdamW after one step), saves it once untimed (a
-warm-up), then ``--repeats`` times saves it (``Checkpointer.save``) and restores it into
-freshly built objects on the same number of ranks (``Checkpointer.restore``). Times are
-taken on rank 0 between barriers, so the slowest rank decides; each table cell is the
-median.
-
-Every ``torch.distributed`` collective is wrapped (before unbroken or DCP is imported)
-and counted per save and per restore: the calls our code and DCP make (``rounds``), the
-gloo operations they are made of (an object collective is two: the sizes, then the
-bytes), and the pickled bytes each rank sends and receives through object collectives.
-The manifest written at each rank count is measured whole and by part (tensor entries,
-file records, components, the rest).
-
-The model is tiny on purpose (the CPU time of 16 ranks on a 2-core machine is the
-limit): what is measured is coordination (rounds, gathered objects, the manifest), not
-bandwidth. Nothing here asserts a timing.
+One ``torchrun --standalone`` job per rank count (gloo on CPU): a tiny FSDP2 model saved
+and restored ``--repeats`` times, timed on rank 0 between barriers; every
+``torch.distributed`` collective wrapped (before unbroken or DCP is imported) and counted,
+with the pickled bytes of object collectives; the manifest measured by part. What is
+measured is coordination, not bandwidth (docs/scaling.md says how). Never asserts timings.
 """
 
 from __future__ import annotations
@@ -35,7 +21,6 @@ import os
 import pickle
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -367,18 +352,14 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def run_job(world: int, args: argparse.Namespace, scratch: Path) -> dict:
-    out = scratch / f"w{world}.json"
-    folder = scratch / f"w{world}"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(world), __file__, "--worker", "--dir", str(folder),
-        "--out", str(out), "--repeats", str(args.repeats), "--width", str(args.width),
-        "--depth", str(args.depth),
-    ]  # fmt: skip
+    from common import torchrun  # not at the top: a worker wraps the collectives first
+
+    out, folder = scratch / f"w{world}.json", scratch / f"w{world}"
+    options = ["--worker", "--dir", str(folder), "--out", str(out), "--repeats", str(args.repeats)]
+    options += ["--width", str(args.width), "--depth", str(args.depth)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
-    env["OMP_NUM_THREADS"] = "1"
     started = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+    proc = torchrun(__file__, world, options, args.timeout, env)
     if proc.returncode != 0:
         raise SystemExit(f"{world} ranks failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     result = json.loads(out.read_text())
@@ -521,17 +502,15 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
+        code = 0
         try:
             worker(args)
         except BaseException:
             traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)
-        # Skip the interpreter's finalization: gloo's worker threads outlive the group
-        # and one releasing a tensor then can abort the process (docs/pitfalls.md).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+            code = 1
+        from common import exit_at_once  # only now: the worker wraps the collectives first
+
+        exit_at_once(code)
     rows = []
     with tempfile.TemporaryDirectory(prefix="unbroken-scaling-") as scratch:
         for world in args.ranks:

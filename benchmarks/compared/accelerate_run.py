@@ -2,9 +2,8 @@
 
     python benchmarks/compared/accelerate_run.py DIR --resume own|unbroken [--steps 40]
 
-The training is the same both ways: an MLP with dropout learns a smooth function, the
-loader shuffles every epoch, AdamW with a warm-up schedule, two micro-batches per
-optimizer step (``accelerator.accumulate``); a step is an optimizer step.
+The same training both ways (``shared.py``; ``accelerator.accumulate`` over the
+micro-batches of a step, an optimizer step).
 
 - ``own``: the recipe of accelerate's ``examples/by_feature/checkpointing.py``:
   ``accelerator.save_state(DIR/ckpt/step_N)`` every ``--every`` steps; at start the

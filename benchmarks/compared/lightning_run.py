@@ -2,10 +2,8 @@
 
     python benchmarks/compared/lightning_run.py DIR --resume own|unbroken [--steps 40]
 
-The training is the same both ways: an MLP with dropout learns a smooth function from a
-torchdata ``StatefulDataLoader`` that shuffles every epoch (Lightning saves such a
-loader's position in its checkpoints), AdamW with a per-step warm-up schedule,
-``accumulate_grad_batches`` micro-batches per optimizer step (``trainer.global_step``).
+The same training both ways (``shared.py``), from a torchdata ``StatefulDataLoader``
+(Lightning saves its position in its checkpoints); a step is ``trainer.global_step``.
 
 - ``own``: ``ModelCheckpoint(every_n_train_steps=...)`` writes ``DIR/ckpt/*.ckpt``; at
   start the newest one is given to ``trainer.fit(..., ckpt_path=...)``.

@@ -2,11 +2,9 @@
 
     python benchmarks/compared/trainer_run.py DIR --resume own|unbroken [--steps 40]
 
-The training is the same both ways: an MLP with dropout learns a smooth function from
-rows the Trainer's own sampler shuffles every epoch, AdamW with a linear schedule and
-warm-up, ``gradient_accumulation_steps`` micro-batches per step, gradient clipping. The
-logged loss is the Trainer's own (what reaches ``on_log``), every step's by default
-(``--logging-steps 1``).
+The same training both ways (``shared.py``; the Trainer's own sampler and a linear
+schedule with warm-up). The logged loss is the Trainer's own (what reaches ``on_log``),
+every step's by default (``--logging-steps 1``).
 
 - ``own``: ``save_steps`` writes ``DIR/ckpt/checkpoint-N``; at start the newest one
   (``get_last_checkpoint``) is given to ``trainer.train(resume_from_checkpoint=...)``.

@@ -19,8 +19,8 @@ def test_benchmark_quick_smoke(tmp_path):
     --results kept, without measuring."""
     figures = tmp_path / "figures.json"
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--tmpdir", str(tmp_path), "--results",
-         str(figures)],
+        [sys.executable, str(BENCH), "--quick", "--parts", "single", "--tmpdir", str(tmp_path),
+         "--results", str(figures)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -54,11 +54,11 @@ def test_health_check_benchmark_quick_smoke():
 
 
 def test_peers_benchmark_quick_smoke(tmp_path):
-    """benchmarks/peers.py --quick measures every contender and prints both tables; ours
-    and DCP restore exactly (torch-checkpointing's rows may be dashes where it is not
-    installed: it is a bench extra, not a test dependency)."""
+    """benchmarks/save_restore.py --parts peers --quick measures every contender and prints
+    both tables; ours and DCP restore exactly (torch-checkpointing's rows may be dashes where
+    it is not installed: it is a bench extra, not a test dependency)."""
     done = subprocess.run(
-        [sys.executable, str(BENCH.with_name("peers.py")), "--quick", "--tmpdir", str(tmp_path)],
+        [sys.executable, str(BENCH), "--quick", "--parts", "peers", "--tmpdir", str(tmp_path)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -69,3 +69,31 @@ def test_peers_benchmark_quick_smoke(tmp_path):
         line = next(x for x in out.splitlines() if x.startswith(f"| {row} "))
         assert line.rstrip(" |").endswith("exact"), line
     assert "Where ours is behind" in out
+
+
+def test_async_and_store_parts_quick_smoke(tmp_path):
+    """The parts async and store still measure and print their sections; --render prints
+    the same sections again from the figures --results kept."""
+    figures, page = tmp_path / "figures.json", tmp_path / "page.md"
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--parts", "async", "store", "--tmpdir",
+         str(tmp_path), "--results", str(figures)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for row in ("| `False`", "| `'overlap'`", "| one copy into preallocated memory",
+                "| save: S3 (moto, loopback)", "| restore: local disk"):  # fmt: skip
+        assert row in done.stdout, row
+    rendered = subprocess.run(
+        [sys.executable, str(BENCH), "--render", str(figures)],
+        capture_output=True, text=True, timeout=120, check=False,
+    ).stdout  # fmt: skip
+    assert rendered.strip() == done.stdout.strip(), rendered[-2000:]
+    again = subprocess.run(
+        [sys.executable, str(BENCH), "--render", str(figures), "--write-docs", str(page)],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert again.stdout.count("wrote ") == 2, again.stdout[-2000:]
+    text = page.read_text()
+    assert "<!-- async:start -->" in text and "<!-- object-store:end -->" in text, text[:2000]
