@@ -24,12 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .format import manifest
+from .format.series import read_series
 from .live.stopping import STOP_AT_ENV
 from .proof.plotting import plot_resume_test
 from .proof.replay import ResumeTestResult, compare, stop_steps
 from .proof.resume_lineage import ordinal
 from .proof.runs import Command, RunFailed, run
-from .proof.series import read_series
 from .storage.interface import Location
 from .storage.locate import checkpoint_dir, location
 

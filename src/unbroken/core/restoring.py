@@ -44,7 +44,6 @@ from ..live.state import Component, ModelComponent, live_tensors
 from ..report import RestoreReport
 from ..storage.interface import Location
 from . import collective, verify
-from .saving import unwrap
 from .transaction import Transaction
 
 logger = logging.getLogger(__name__)
@@ -298,7 +297,7 @@ def read_and_check(folder: Location, doc: dict[str, Any], plan: Plan, targets: T
     except BaseException as exc:
         loaded.abandon()
         if isinstance(exc, CheckpointException):
-            raise unwrap(exc, f"reading {folder}") from None
+            raise collective.unwrap(exc, f"reading {folder}") from None
         raise
     problems, sharded = loaded.check_local(doc["tensors"])
     keys = list(doc["tensors"])  # the manifest's order: the same on every rank

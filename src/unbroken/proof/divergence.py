@@ -27,10 +27,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..format import bitwise, manifest
+from ..format.series import Series
 from ..format.state_compare import StateComparison, compare_state
 from .generators import differing, label
 from .resume_lineage import ordinal, resets
-from .series import Series
 
 _SHOWN = 6  # components named in a cause
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..format import bitwise
-from .series import Series
+from ..format.series import Series
 
 MISSING = "plots need matplotlib, which is not installed: pip install 'unbroken[plot]'"
 _STYLES = ["-", "--", ":", "-."]

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from ..format import bitwise, manifest
+from ..format.series import Series, read_series, record_lines
 from ..format.state_compare import compare_state
 from ..storage.interface import Location
 from ..storage.locate import checkpoint_dir
 from . import resume_lineage
 from .divergence import evidence, likely_cause, rng_notes
 from .generators import differing, label
-from .series import Series, read_series, record_lines
 
 
 @dataclasses.dataclass

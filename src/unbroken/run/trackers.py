@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..core import collective
 from ..errors import CheckpointError
+from ..format.series import is_withdrawn, parsed, record_lines, retractions
 from ..storage.interface import Location
 from .metrics import as_float
 from .replay_check import PENDING, ReplayVerdict
-from .series import is_withdrawn, parsed, record_lines, retractions
 
 if TYPE_CHECKING:
-    from .run_record import RunRecord
+    from .record import RunRecord
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def check_trackers(trackers: Iterable[Any] | None) -> list[Tracker]:
             raise TypeError(
                 f"trackers[{i}] ({type(tracker).__name__}) has no method "
                 f"{', '.join(missing)}: a tracker implements start, log, verdict and close "
-                "(unbroken.proof.trackers.Tracker)"
+                "(unbroken.run.trackers.Tracker)"
             )
     return found
 

@@ -19,8 +19,8 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..format import bitwise
+from ..format.series import is_withdrawn, parsed, record_lines, record_name, retractions
 from ..storage.interface import Location
-from .series import is_withdrawn, parsed, record_lines, record_name, retractions
 
 logger = logging.getLogger(__name__)
 
