@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..errors import CorruptCheckpointError
-from . import layout, skeleton_check, tree
+from . import layout, tree
 
 MAX_DEPTH = 200  # JSON nesting; a state nests at most tree.MAX_STATE_DEPTH (~3x in JSON)
 MAX_WORLD_SIZE = 1 << 20
@@ -284,7 +284,7 @@ def _component(name: str, entry: Any, world: int) -> None:
         skeletons = [(entry["state"], f"{where}/state")]
     for skeleton, at in skeletons:
         try:
-            skeleton_check.check(skeleton, None)  # an unlisted tensor: restore and verify name it
+            tree.check_skeleton(skeleton, None)  # an unlisted tensor: restore and verify name it
         except tree.SkeletonError as exc:
             _fail(at, str(exc).removeprefix("/"))
         if name == "optimizer":
