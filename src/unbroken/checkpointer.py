@@ -34,9 +34,7 @@ class Checkpointer:
     Not thread-safe: use one Checkpointer from the training loop's thread.
 
     One run per folder: a save finding steps that another run committed since this
-    Checkpointer started or restored (two jobs in one folder; an actor's and a critic's
-    Checkpointers) is refused naming both runs, and this Checkpointer's tracked steps
-    reach the folder's record only while it holds the folder (run/ownership.py).
+    Checkpointer started or restored is refused naming both runs (run/ownership.py).
 
     Args:
         path: folder of this run's checkpoints (a local path or ``file://`` URL, or an

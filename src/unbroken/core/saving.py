@@ -148,8 +148,9 @@ def stage(
             flat = {**flat, **buffers.copy({k: t for k, t in flat.items() if k not in deferred})}
             buffers.keep_only(flat)
         notes = [note for c in request.components for note in c.save_warnings()]
-        return Staged(request, skeletons, flat, info, per_rank, deferred, partitioned=partitioned,
-                      notes=notes)  # fmt: skip
+        return Staged(
+            request, skeletons, flat, info, per_rank, deferred, partitioned=partitioned, notes=notes
+        )
 
     staged = collective.agree(encode)
     assert staged is not None
@@ -246,8 +247,9 @@ def write(ckdir: CheckpointDir, staged: Staged) -> Location:
 
 def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -> Location:
     request, flat = staged.request, staged.flat
-    writer = ShardWriter(partial, rank=rank, name=ckdir.shard_name(partial, rank),
-                         files=write_files())  # fmt: skip
+    writer = ShardWriter(
+        partial, rank=rank, name=ckdir.shard_name(partial, rank), files=write_files()
+    )
     settle(flat)
     # Fingerprints are computed while DCP writes: file I/O and torch kernels both
     # release the GIL, so the two overlap on separate cores (on a GPU, the fingerprints
@@ -300,8 +302,9 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
         retire = request.run.retire if request.run is not None else []
         final = ckdir.commit(partial, request.step, retire=retire, manifest=data)
         if request.run is not None:
-            request.run.committed(request.step, staged.skeletons, body["tensors"],
-                                  body["fingerprint_algorithm"])  # fmt: skip
+            request.run.committed(
+                request.step, staged.skeletons, body["tensors"], body["fingerprint_algorithm"]
+            )
         return str(final), body.get("save_warnings", [])
 
     committed = collective.on_rank0(commit)

@@ -43,11 +43,24 @@ _NON_FINITE = ("nan", "inf", "-inf")
 # no torch; ``manifest.DTYPES`` gives the torch dtypes (tests/unit/test_format_dtypes.py
 # holds this table to torch's element sizes).
 ITEMSIZES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8, "complex128": 16,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "uint16": 2, "uint32": 4, "uint64": 8,
-}  # fmt: skip
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+}
 # Device types saves record on common machines (a tensor's device when it was staged),
 # accepted without asking torch; any other is checked with torch.device (imports torch).
 COMMON_DEVICES = frozenset({"cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia", "xla"})

@@ -25,8 +25,12 @@ from ..storage.interface import Location
 logger = logging.getLogger(__name__)
 
 PENDING, IDENTICAL, DIFFERENT, SKIPPED, NONE = (
-    "pending", "identical", "different", "skipped", "none"
-)  # fmt: skip
+    "pending",
+    "identical",
+    "different",
+    "skipped",
+    "none",
+)
 
 
 @dataclasses.dataclass

@@ -178,8 +178,11 @@ def _call(tracker: Tracker, method: str, *args: Any) -> bool:
         logger.warning(
             "tracker %s failed in %s() (%s: %s); it gets nothing more from this "
             "Checkpointer (training and checkpoints go on)",
-            type(tracker).__name__, method, type(exc).__name__, exc,
-        )  # fmt: skip
+            type(tracker).__name__,
+            method,
+            type(exc).__name__,
+            exc,
+        )
         return False
 
 
@@ -194,8 +197,11 @@ def tracked_upto(root: Location, resume_step: int) -> int:
     try:
         records = parsed(record_lines(root) or [])
     except (OSError, ValueError, CheckpointError) as exc:
-        logger.warning("cannot read the metrics record of %s (%s): trackers get every "
-                       "recomputed step", root, exc)  # fmt: skip
+        logger.warning(
+            "cannot read the metrics record of %s (%s): trackers get every recomputed step",
+            root,
+            exc,
+        )
         return resume_step
     withdrawn = retractions(records)
     last = resume_step
