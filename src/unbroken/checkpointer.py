@@ -1,28 +1,26 @@
-"""The public entry point: :class:`Checkpointer` orchestrates save, restore and retention."""
+"""The public entry point: :class:`Checkpointer`, a facade over one save and one restore
+(``core/``) and what the run remembers across calls (``run/``)."""
 
 from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .core import background, branching, collective, resuming, retention, run_identity, saving
-from .core.idle_optimizers import IdleOptimizers
-from .core.ownership import FolderClaim
+from .core import background, resuming, saving
+from .core.collective import any_rank, rank
 from .errors import CheckpointError
 from .live import probe
 from .live.components import as_step, build_components
-from .live.optimizer import OptimizerComponent
 from .live.stopping import StopPolicy
-from .proof.replay_check import ReplayVerdict
-from .proof.run_record import RunRecord
-from .proof.trackers import Tracker, TrackerHub
 from .report import RestoreReport
+from .run.replay_check import ReplayVerdict
+from .run.run import Run
+from .run.trackers import Tracker
 from .storage.locate import checkpoint_dir, pinned
 
 logger = logging.getLogger(__name__)
@@ -36,9 +34,7 @@ class Checkpointer:
     Not thread-safe: use one Checkpointer from the training loop's thread.
 
     One run per folder: a save finding steps that another run committed since this
-    Checkpointer started or restored (two jobs in one folder; an actor's and a critic's
-    Checkpointers) is refused naming both runs, and this Checkpointer's tracked steps
-    reach the folder's record only while it holds the folder (core/ownership.py).
+    Checkpointer started or restored is refused naming both runs (run/ownership.py).
 
     Args:
         path: folder of this run's checkpoints (a local path or ``file://`` URL, or an
@@ -120,39 +116,20 @@ class Checkpointer:
             raise TypeError(f"probe must be callable(model), got {type(probe).__name__}")
         self._dir = checkpoint_dir(pinned(path))  # resolved once: os.chdir changes nothing
         self._overwrite = bool(overwrite)
-        # The steps this run may keep beside its own; rank 0 asks it (core/ownership.py).
-        self._claim = FolderClaim(self._dir, overwrite=self._overwrite)
-        if self._overwrite and collective.rank() == 0:
-            self._claim.replaces()
-        # The tracked metrics (rank 0 records them), the replay and health checks.
-        self._record = RunRecord(
-            self._dir.root, loss_metric=loss_metric, grad_norm_metric=grad_norm_metric,
-            gate=self._claim, replaces=self._overwrite,
-        )  # fmt: skip
         self._model = model
         self._probe = probe
-        self._keep_last = keep_last
         self._components = build_components(model, optimizer, scheduler, dataloader, extra)
+        self._run = Run(
+            self._dir,
+            self._components,
+            keep_last=keep_last,
+            overwrite=self._overwrite,
+            loss_metric=loss_metric,
+            grad_norm_metric=grad_norm_metric,
+            trackers=trackers,
+        )
         self._noted_per_rank: set[str] = set()  # shared components found to differ by rank
-        # Optimizers with no state while their parameters change (rank 0 compares).
-        self._idle = IdleOptimizers(self._components)
-        self._save_warnings: list[str] = []  # the last committed save's
-        self._logged_warnings: set[str] = set()  # each save warning is logged once
-        self._lineage: list[dict[str, Any]] = [
-            {
-                "event": "start",
-                "run": run_identity.mint(),  # rank 0's is agreed at restore() or save()
-                "time": time.time(),
-                "world_size": collective.world_size(),
-                "segment": self._record.segment,  # its tracked steps in the metrics record
-            }
-        ]
-        self._run_id: str | None = None  # decided (the same on every rank)
-        self._trackers = TrackerHub(trackers, record=self._record)  # rank 0's only
-        self._fork: int | None = None  # the step resumed from, until the first save commits
-        if self._overwrite:
-            self._fork = -1  # the first save retires every step committed before it
-        self._stop = StopPolicy(agree=collective.any_rank)
+        self._stop = StopPolicy(agree=any_rank)
         self._closed = False
         mode = background.check_mode(async_save)
         self._saver = background.BackgroundSaver(mode, self._components) if mode else None
@@ -161,9 +138,7 @@ class Checkpointer:
     def run_id(self) -> str:
         """The run's id (letters, digits: a W&B id), one for all ranks, resumes and forks;
         decided by :meth:`restore`, else the first :meth:`save` (before: CheckpointError)."""
-        if self._run_id is None:
-            raise run_identity.unknown()
-        return self._run_id
+        return self._run.run_id
 
     @property
     def path(self) -> str:
@@ -194,20 +169,12 @@ class Checkpointer:
         step = as_step(step)
         record = probe.record(self._probe, self._model) if self._probe is not None else None
         self.wait()
-        if self._run_id is None:  # no restore(): this save decides the run's id
-            self._lineage, self._run_id = run_identity.agree(self._lineage)
-        retire = self._note_branch_and_replay()
         request = saving.SaveRequest(
             step=step,
             components=self._components,
-            lineage=self._lineage,
-            metrics=self._record.window(step),
+            run=self._run.begin_save(step),
             probe=record,
             noted_per_rank=self._noted_per_rank,
-            retire=retire,
-            claim=self._claim,
-            idle=self._idle,
-            optimizer_steps=self._idle.counts(),
         )
         if self._saver is None:
             self._finish_save(saving.stage(request))
@@ -218,15 +185,7 @@ class Checkpointer:
 
     def _finish_save(self, staged: saving.Staged) -> None:
         saving.write(self._dir, staged)
-        self._fork = None  # the branch is committed; its abandoned steps are retired
-        self._save_warnings = staged.warnings
-        if collective.rank() == 0:
-            for warning in staged.warnings:
-                if warning not in self._logged_warnings:
-                    self._logged_warnings.add(warning)
-                    logger.warning("step %d: %s", staged.request.step, warning)
-        retention.apply_retention(self._dir, staged.request.step, self._keep_last)
-        self._record.after_commit()  # committed: a failure is a warning
+        self._run.committed(staged.request.step, staged.warnings)
 
     def wait(self) -> None:
         """Wait for an in-flight asynchronous save; raise its error if it failed.
@@ -267,76 +226,32 @@ class Checkpointer:
         self._check_open()
         self.wait()
         reset_set, skip_set = set(reset or ()), set(skip or ())
-        names = [c.name for c in self._components]
-        unknown = sorted(reset_set - set(names))
-        if unknown:
-            raise ValueError(f"reset names unknown component(s) {unknown}; known: {names}")
-        passed = sorted(skip_set & set(names))
-        if passed:
-            raise ValueError(
-                f"skip names {passed}, which were passed to the Checkpointer: use reset= to "
-                "start them fresh"
-            )
-        world = collective.world_size()
         done = resuming.resume(
-            self._dir, self._components, step=step, reset=reset_set, skip=skip_set,
-            require=resuming.require_from_env(require), ignore=self._overwrite,
-            probe_fn=self._probe, model=self._model,
-        )  # fmt: skip
-        if collective.rank() == 0:  # the steps now (a leftover put back included) are ours
-            self._claim.restored(done.step if done.doc is not None else None)
-        if done.doc is None:  # a fresh start: rank 0's new id is every rank's
-            self._lineage, self._run_id = run_identity.agree(self._lineage)
-            self._trackers.start(self._run_id, 0, None)
-            return done.report
-        self._idle.restored(done.doc)  # the next save compares with its fingerprints
-        doc, chosen, report = done.doc, done.step, done.report
-        # The metrics segment that saved the checkpoint: the replay check's reference.
-        saved_by = doc["lineage"][-1].get("segment") if doc["lineage"] else None
-        self._record.resumed(
-            doc.get("metrics", []), from_step=chosen, saved_by=saved_by, world_size=world,
-            reset=sorted(reset_set), optimizers=self._restored_optimizers(report),
-        )  # fmt: skip
-        lineage, self._run_id = run_identity.restored(doc)
-        self._lineage = [
-            *lineage,
-            {
-                "event": "resume",
-                "from_step": chosen,
-                "time": time.time(),
-                "world_size": world,
-                "reset": sorted(reset_set),
-                "skipped": sorted(skip_set & set(doc["components"])),
-                "segment": self._record.segment,
-            },
-        ]
-        self._fork = chosen  # newer committed steps are retired by the first save
-        if collective.rank() == 0:
-            logger.info("%s", report)
-        self._trackers.start(self._run_id, chosen, self._dir.root)
-        return report
-
-    def _restored_optimizers(self, report: RestoreReport) -> dict[str | None, Any]:
-        """name -> optimizer that the restore restored: the health check watches them."""
-        return {
-            name: opt
-            for c in self._components
-            if isinstance(c, OptimizerComponent) and report.components.get(c.name) == "restored"
-            for name, opt in c.optimizers.items()
-        }
+            self._dir,
+            self._components,
+            step=step,
+            reset=reset_set,
+            skip=skip_set,
+            require=resuming.require_from_env(require),
+            ignore=self._overwrite,
+            probe_fn=self._probe,
+            model=self._model,
+        )
+        if done.doc is not None and rank() == 0:
+            logger.info("%s", done.report)
+        self._run.restored(done, reset=reset_set, skip=skip_set)
+        return done.report
 
     def track(self, step: int, **metrics: float | torch.Tensor) -> None:
         """Record scalar metrics of ``step`` (floats or 0-d tensors).
 
         The last steps go into each checkpoint's manifest, the whole series into
         ``metrics.jsonl`` (on a store: objects under ``metrics/``; see
-        :func:`unbroken.proof.series.read_series`); after a resume the
+        :func:`unbroken.format.series.read_series`); after a resume the
         ones named ``loss_metric`` and ``grad_norm_metric`` feed the health check, whose
         finding (at most one per resume) is logged and kept in :attr:`warnings`.
         """
-        step = as_step(step)
-        self._record.track(step, metrics)
-        self._trackers.log(step, metrics, run_id=self._lineage[0]["run"])  # rank 0's
+        self._run.track(as_step(step), metrics)
 
     @property
     def replay(self) -> ReplayVerdict | None:
@@ -344,15 +259,15 @@ class Checkpointer:
         had tracked after the restored checkpoint, compared bit for bit as they are
         tracked again. Decided on rank 0 (which records metrics); other ranks receive its
         verdict at each ``save()`` and at ``close()``."""
-        return self._record.replay
+        return self._run.replay
 
     @property
     def warnings(self) -> list[str]:
         """Warnings about the last resume (the health check's, a replay difference) and
         about the last committed save (e.g. an optimizer holding no state while the
-        parameters it covers changed: core/idle_optimizers.py; with ``async_save``,
+        parameters it covers changed: run/idle_optimizers.py; with ``async_save``,
         known once that save committed)."""
-        return [*self._record.warnings, *self._save_warnings]
+        return self._run.warnings
 
     def should_stop(self, step: int) -> bool:
         """True on every rank once SIGTERM/SIGUSR1 arrived, or at ``UNBROKEN_STOP_AT``."""
@@ -365,13 +280,9 @@ class Checkpointer:
         self._closed = True
         try:
             self.wait()
-            self._record.finish()  # the replay verdict decided and shared; fsynced
+            self._run.finish()
         finally:
-            self._trackers.close()  # a verdict decided by finish() is forwarded first
-            self._record.close()
-            self._claim.release()
-            self._idle.close()
-            self._dir.finish_removals()
+            self._run.release()
             self._stop.close()
             if self._saver is not None:
                 self._saver.close()
@@ -385,16 +296,3 @@ class Checkpointer:
     def _check_open(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
-
-    def _note_branch_and_replay(self) -> list[int]:
-        """Before a save (collective): the abandoned steps this save retires, if it is the
-        first since a resume from an older step, and the replay verdict so far, both in
-        the resume event of the lineage (core/branching.py, proof/replay_check.py)."""
-        retire: list[int] = []
-        if self._fork is not None:
-            retire = branching.abandoned_steps(self._dir, self._fork)
-            self._lineage = branching.amend_last_event(self._lineage, retired=retire)
-        replay = self._record.before_save()
-        if replay is not None:
-            self._lineage = branching.amend_last_event(self._lineage, replay=replay)
-        return retire

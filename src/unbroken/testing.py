@@ -24,12 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .format import manifest
+from .format.series import read_series
 from .live.stopping import STOP_AT_ENV
 from .proof.plotting import plot_resume_test
 from .proof.replay import ResumeTestResult, compare, stop_steps
 from .proof.resume_lineage import ordinal
 from .proof.runs import Command, RunFailed, run
-from .proof.series import read_series
 from .storage.interface import Location
 from .storage.locate import checkpoint_dir, location
 
@@ -99,13 +99,18 @@ def resume_test(
     seen = _stopped_at(resumed, stops[0], work / "stopped.log", "the stopped run")
     for i, stop in enumerate(stops[1:], start=1):  # each resume but the last stops again
         log = work / f"resumed-{i}.log"
-        run(resume_command or command, resumed, {**base_env, STOP_AT_ENV: str(stop)}, log,
-            timeout)  # fmt: skip
+        run(resume_command or command, resumed, {**base_env, STOP_AT_ENV: str(stop)}, log, timeout)
         for step, doc in _stopped_at(resumed, stop, log, f"the {ordinal(i)} resume").items():
             seen.setdefault(step, doc)
     run(resume_command or command, resumed, base_env, work / "resumed.log", timeout)
-    result = compare(straight, resumed, stop_at=stops, exact=resume_command is None,
-                     tolerance=tolerance, checkpoints=seen)  # fmt: skip
+    result = compare(
+        straight,
+        resumed,
+        stop_at=stops,
+        exact=resume_command is None,
+        tolerance=tolerance,
+        checkpoints=seen,
+    )
     result.report_path = str(work / "resume-test-report.txt")
     if plot:
         try:

@@ -45,7 +45,11 @@ def _two_in_one_folder(rank: int, world: int, path: str, async_save: bool) -> di
         error = (type(exc).__name__, str(exc).removeprefix("[rank 0] "))
     for _, _, ckpt in runs:
         ckpt.close()
-    return {"error": error, "steps": runs[0][2].steps(), "run": runs[0][2]._lineage[0]["run"]}
+    return {
+        "error": error,
+        "steps": runs[0][2].steps(),
+        "run": runs[0][2]._run._lineage.events[0]["run"],
+    }
 
 
 @pytest.mark.parametrize("async_save", [False, True])

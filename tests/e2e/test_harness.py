@@ -110,8 +110,8 @@ def test_failed_plot_shows_the_difference_and_the_first_differing_step(tmp_path)
     """The resume test's plot has a panel of resumed minus straight (symlog) with the
     first differing step marked, so a FAILED title shows its cause."""
     matplotlib = pytest.importorskip("matplotlib")
+    from unbroken.format.series import Series
     from unbroken.proof.plotting import plot_resume_test
-    from unbroken.proof.series import Series
 
     straight = Series({"loss": [(s, 1.0 / s) for s in range(1, 31)]}, resumes=[], warnings=[])
     resumed = Series({"loss": [(s, 1.0 / s + (0.0 if s < 19 else 1e-6 * 2**s))

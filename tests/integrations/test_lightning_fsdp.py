@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 
 import unbroken as ub
+from unbroken.format.series import read_series
 from unbroken.integrations.lightning import UnbrokenCallback
-from unbroken.proof.series import read_series
 from unbroken.testing import resume_test
 
 from .fsdp_runs import SCRIPTS, load_dump, load_script, torchrun

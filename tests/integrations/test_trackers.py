@@ -32,7 +32,7 @@ import torch
 
 from conftest import Problem
 from unbroken.format import manifest
-from unbroken.proof.series import read_series
+from unbroken.format.series import read_series
 
 from .recipes import write_recipe
 
@@ -385,7 +385,7 @@ def test_a_failing_tracker_is_left_out_and_training_goes_on(tmp_path, caplog):
     other tracker gets every step, and the save commits."""
     broken, fine = Recording(fail_in="log"), Recording()
     p = Problem()
-    caplog.set_level(logging.WARNING, logger="unbroken.proof.trackers")
+    caplog.set_level(logging.WARNING, logger="unbroken.run.trackers")
     with p.checkpointer(tmp_path, trackers=[broken, fine]) as ckpt:
         _train(p, ckpt, 1, 3, save_at=(3,))  # no restore(): started by the first track
         assert ckpt.steps() == [3]
@@ -428,7 +428,7 @@ def test_a_wandb_run_of_the_callers_own_is_not_taken_for_the_run(tmp_path, monke
             monkeypatch.setenv(name, value)
     mine = wandb.init(project="p", dir=str(tmp_path))
     try:
-        caplog.set_level(logging.WARNING, logger="unbroken.proof.trackers")
+        caplog.set_level(logging.WARNING, logger="unbroken.run.trackers")
         p = Problem()
         with p.checkpointer(tmp_path / "ckpts", trackers=[WandbTracker(project="p")]) as ckpt:
             ckpt.restore()

@@ -19,8 +19,8 @@ import pytest
 
 import unbroken as ub
 from conftest import Problem, assert_same_training_state
-from unbroken.proof.series import FILE as METRICS
-from unbroken.proof.series import read_series
+from unbroken.format.series import FILE as METRICS
+from unbroken.format.series import read_series
 from unbroken.storage import local_dir
 
 FULL = OSError(errno.ENOSPC, "No space left on device")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import Problem
-from unbroken.proof import health_check
+from unbroken.run import health_check
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "health"
 
@@ -84,7 +84,7 @@ def test_a_missing_loss_metric_is_logged_once(ckpt_dir, caplog):
     """A loss_metric that is never tracked turns the metric check off, and says so."""
     _trained(ckpt_dir)
     q, ckpt = _resumed(ckpt_dir, loss_metric="train/loss")
-    with caplog.at_level(logging.WARNING, logger="unbroken.proof.health_check"):
+    with caplog.at_level(logging.WARNING, logger="unbroken.run.health_check"):
         for step in range(31, 36):
             ckpt.track(step, loss=q.step())
     notes = [r.getMessage() for r in caplog.records if "no tracked metric named" in r.getMessage()]

@@ -26,15 +26,18 @@ LEAVES = {"errors": set(), "_version": set(), "report": set(), "env": set()}
 ALLOWED: dict[str, set[str]] = {
     **LEAVES,
     "storage": {"errors", "env"},
-    "format": {"storage", "errors", "env"},
+    "format": {"storage", "errors", "env", "_version"},
     "live": {"format", "errors"},
-    "core": {"live", "format", "storage", "errors", "report", "env", "_version"},
-    "proof": {"core", "live", "format", "storage", "errors", "env"},
-    "checkpointer": {"core", "live", "format", "storage", "proof", "errors", "report"},
+    "core": {"live", "format", "storage", "errors", "report"},
+    # What the training loop's Checkpointer remembers across calls (run/run.py).
+    "run": {"core", "live", "format", "storage", "errors", "env"},
+    "proof": {"live", "format", "storage", "errors", "env"},
+    "checkpointer": {"run", "core", "live", "format", "storage", "errors", "report"},
     "testing": {"proof", "live", "format", "storage", "errors"},
     "tools": {"checkpointer", "core", "live", "format", "storage", "proof"} | set(LEAVES),
     "integrations": {
         "checkpointer",
+        "run",
         "core",
         "live",
         "format",
@@ -47,7 +50,7 @@ ALLOWED: dict[str, set[str]] = {
     | set(LEAVES),
     "__init__": {"checkpointer", "tools", "errors", "report", "_version"},
 }
-MAX_LINES = 400
+MAX_LINES = 500
 
 
 def _modules() -> list[Path]:

@@ -215,6 +215,6 @@ def test_tracked_steps_reach_the_store_at_exit_without_close(s3, tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
-    from unbroken.proof.series import read_series
+    from unbroken.format.series import read_series
 
     assert read_series(s3).steps("loss") == [1, 2, 3]

@@ -19,7 +19,7 @@ import torch
 import unbroken as ub
 from conftest import Problem
 from unbroken.format import manifest
-from unbroken.proof.series import read_series, record_lines
+from unbroken.format.series import read_series, record_lines
 
 
 def _run_id(folder, step) -> str:
@@ -45,7 +45,7 @@ def test_an_actor_and_a_critic_never_replace_each_others_steps(ckpt_dir):
     ours = _run_id(ckpt_dir, 10)
     with pytest.raises(ub.CheckpointError, match=r"step 10 .*another run.*refused") as info:
         c.save(10)
-    assert ours in str(info.value) and c._lineage[0]["run"] in str(info.value)
+    assert ours in str(info.value) and c._run._lineage.events[0]["run"] in str(info.value)
     assert "own folder" in str(info.value)
     with pytest.raises(ub.CheckpointError, match="another run"):
         c.save(11)  # any step: the folder is the actor's
@@ -126,7 +126,7 @@ def test_an_async_save_refused_surfaces_and_commits_nothing(ckpt_dir):
 def test_each_save_lists_once_and_reads_no_manifest_of_its_own(ckpt_dir, monkeypatch):
     """Cost: the check is one listing per save; a manifest is read only for a step that
     someone else committed (never this Checkpointer's own, never the restored run's)."""
-    from unbroken.core import ownership
+    from unbroken.run import ownership
 
     reads = []
     real = ownership._lineage_of
@@ -163,7 +163,7 @@ def test_a_second_job_never_writes_into_the_first_jobs_record(ckpt_dir):
     assert series.steps("loss") == list(range(1, 11)) and series.resumes == []
     assert all(v < 1000 for _, v in series.values["loss"])
     segments = {json.loads(line)["segment"] for line in record_lines(ckpt_dir)}
-    assert segments == {a._record.segment}
+    assert segments == {a._run.record.segment}
 
 
 def test_a_run_that_loses_the_folder_withdraws_the_steps_it_wrote(ckpt_dir):
@@ -215,7 +215,7 @@ def test_a_second_job_on_a_store_withdraws_what_it_uploaded(monkeypatch):
     b = b_p.checkpointer(url, keep_last=None)
     assert b.restore().step == 2
     b.track(3, loss=5000.0)
-    b._record._log.flush()  # uploaded: nobody committed since it restored
+    b._run.record._log.flush()  # uploaded: nobody committed since it restored
     assert 5000.0 in [v for _, v in read_series(url).values["loss"]]
     _track(a_p, a, 3, 4, save_at={4})
     with pytest.raises(ub.CheckpointError, match="same run"):

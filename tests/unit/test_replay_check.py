@@ -1,5 +1,5 @@
 """Replay check: steps a resumed run recomputes are compared bit for bit with the ones the
-earlier run recorded (proof/replay_check.py)."""
+earlier run recorded (run/replay_check.py)."""
 
 from __future__ import annotations
 

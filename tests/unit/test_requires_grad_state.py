@@ -10,7 +10,7 @@ import torch
 
 import unbroken as ub
 from conftest import Problem
-from unbroken.format import manifest, skeleton_check, tree
+from unbroken.format import manifest, tree
 
 
 class Learnable:
@@ -56,7 +56,7 @@ def test_the_flag_round_trips_and_old_references_decode_as_before():
     skeleton = json.loads(json.dumps(tree.encode(value, "x", tensors)))
     assert skeleton["w"] == {tree.TAG: "tensor", "key": "x/w", "requires_grad": True}
     assert skeleton["b"] == {tree.TAG: "tensor", "key": "x/b"}  # as older versions wrote
-    skeleton_check.check(skeleton, {"x/w", "x/b"})
+    tree.check_skeleton(skeleton, {"x/w", "x/b"})
     loaded = {k: v.detach().clone() for k, v in tensors.items()}
     back = tree.decode(skeleton, loaded)
     assert back["w"].requires_grad and back["w"].is_leaf and not back["b"].requires_grad
@@ -67,7 +67,7 @@ def test_the_flag_round_trips_and_old_references_decode_as_before():
 def test_a_malformed_flag_is_refused(flag):
     node = {"s": {tree.TAG: "tensor", "key": "x/s", "requires_grad": flag}}
     with pytest.raises(tree.SkeletonError, match=r"/s: a 'tensor' tag's 'requires_grad'"):
-        skeleton_check.check(node, None)
+        tree.check_skeleton(node, None)
 
 
 def test_an_integer_tensor_marked_requires_grad_is_refused():

@@ -301,8 +301,8 @@ def test_the_same_value_agrees_within_any_tolerance(tmp_path):
 
 def test_the_plot_does_not_call_negative_zero_identical(tmp_path):
     matplotlib = pytest.importorskip("matplotlib")
+    from unbroken.format.series import Series
     from unbroken.proof.plotting import plot_resume_test
-    from unbroken.proof.series import Series
 
     a = Series({"loss": [(s, 0.0) for s in range(1, 6)]}, resumes=[], warnings=[])
     b = Series({"loss": [(s, 0.0 if s < 4 else -0.0) for s in range(1, 6)]}, resumes=[2],

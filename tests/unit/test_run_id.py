@@ -180,7 +180,7 @@ def _two_ranks(rank: int, world: int, folder: str) -> dict:
     model = torch.nn.Linear(2, 1)
     first, again = _Calls(), _Calls()
     ckpt = ub.Checkpointer(folder, model=model, trackers=[first])
-    minted = ckpt._lineage[0]["run"]  # this rank's own, before the ranks agree
+    minted = ckpt._run._lineage.events[0]["run"]  # this rank's own, before the ranks agree
     ckpt.restore()
     fresh = ckpt.run_id
     for step in (1, 2):

@@ -1,4 +1,4 @@
-"""``proof.run_record.RunRecord``: the run's record a Checkpointer holds, through the
+"""``run.record.RunRecord``: the run's record a Checkpointer holds, through the
 interface it calls (construction, resumed, track, window, before_save, after_commit,
 finish, close), without a Checkpointer."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from unbroken.proof.run_record import METRICS_WINDOW, RunRecord
-from unbroken.proof.series import read_series
+from unbroken.format.series import read_series
+from unbroken.run.record import METRICS_WINDOW, RunRecord
 from unbroken.storage.locate import location
 
 

@@ -9,8 +9,8 @@ import math
 
 import torch
 
-from unbroken.proof.optimizer_watch import OptimizerWatch
 from unbroken.proof.replay import compare
+from unbroken.run.optimizer_watch import OptimizerWatch
 
 
 def _record(folder, values: dict[int, dict[str, float]]) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import unbroken as ub
-from unbroken.core.ownership import FolderClaim
+from unbroken.run.ownership import FolderClaim
 from unbroken.storage.locate import checkpoint_dir
 
 
@@ -46,7 +46,7 @@ def _race(url: str, monkeypatch) -> tuple[torch.nn.Module, list[str]]:
 
     def paused(self, step, lineage):
         check(self, step, lineage)
-        if self is b._claim and not winner and not errors:
+        if self is b._run.claim and not winner and not errors:
             try:
                 a.save(step)  # the other job saves in between
                 winner.append(model_a)

@@ -93,8 +93,15 @@ def _print(report: DiffReport) -> None:
     colors = {"identical": "green", "skipped": "yellow"}
     for c in report.components:
         color = colors.get(c.status, "red")
-        table.add_row(shown(c.name), f"[{color}]{c.status}[/{color}]", str(c.equal),
-                      str(c.different), str(c.only_a), str(c.only_b), escape(c.note))  # fmt: skip
+        table.add_row(
+            shown(c.name),
+            f"[{color}]{c.status}[/{color}]",
+            str(c.equal),
+            str(c.different),
+            str(c.only_a),
+            str(c.only_b),
+            escape(c.note),
+        )
     console.print(table)
     # RNG state, one line per generator, instead of hundreds of state words and tensors.
     summarized = {"rng"} if report.rng else set()

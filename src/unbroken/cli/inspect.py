@@ -74,16 +74,24 @@ def _print_run(run: RunInspection) -> None:
     # column only when they differ (the lineage keeps room at 80 columns).
     summaries = run.checkpoints
     versions = {_versions(s) for s in summaries if not s.error}
-    table = Table(title=f"committed checkpoints in {shown(run.path)}",
-                  caption=f"saved with {versions.pop()}" if len(versions) == 1 else None)  # fmt: skip
+    table = Table(
+        title=f"committed checkpoints in {shown(run.path)}",
+        caption=f"saved with {versions.pop()}" if len(versions) == 1 else None,
+    )
     columns = ["step", "created", "size", "world"] + (["versions"] if versions else [])
     for col in columns:
         table.add_column(col, no_wrap=True, justify="left" if col == "created" else "right")
     table.add_column("lineage", overflow="fold", min_width=20)
     for s in summaries:
         if s.error:
-            table.add_row(str(s.step), "[red]DAMAGED[/red]", human_bytes(s.size_bytes),
-                          "", *[""] * (len(columns) - 4), escape(s.error))  # fmt: skip
+            table.add_row(
+                str(s.step),
+                "[red]DAMAGED[/red]",
+                human_bytes(s.size_bytes),
+                "",
+                *[""] * (len(columns) - 4),
+                escape(s.error),
+            )
             continue
         row = [str(s.step), when(s.created_unix), human_bytes(s.size_bytes), str(s.world_size)]
         if versions:
@@ -101,11 +109,14 @@ def _print_branch(newest: CheckpointSummary | None, retired: list[CheckpointSumm
             f"history of step {newest.step} (the newest lineage, what restore() resumes):"
         )
         for depth, event in enumerate(newest.lineage):
-            console.print("  " + "   " * (depth - 1) + ("└─ " if depth else "") +
-                          escape(event_text(event)))  # fmt: skip
+            console.print(
+                "  " + "   " * (depth - 1) + ("└─ " if depth else "") + escape(event_text(event))
+            )
     if retired:
-        console.print("retired checkpoints (abandoned branches: never listed or restored; "
-                      "delete them when no longer needed):")  # fmt: skip
+        console.print(
+            "retired checkpoints (abandoned branches: never listed or restored; "
+            "delete them when no longer needed):"
+        )
         table = Table()
         table.add_column("step", justify="right")
         table.add_column("size", justify="right", no_wrap=True)
@@ -113,8 +124,9 @@ def _print_branch(newest: CheckpointSummary | None, retired: list[CheckpointSumm
         table.add_column("lineage", overflow="fold")
         for r in retired:
             lineage = r.error or lineage_text(r.lineage)
-            table.add_row(str(r.step), human_bytes(r.size_bytes), shown(Path(r.path).name),
-                          escape(lineage))  # fmt: skip
+            table.add_row(
+                str(r.step), human_bytes(r.size_bytes), shown(Path(r.path).name), escape(lineage)
+            )
         console.print(table)
 
 
@@ -137,8 +149,13 @@ def _print_detail(info: CheckpointInspection) -> None:
     for col in ("component", "kind", "per rank", "tensors", "bytes"):
         table.add_column(col)
     for c in info.components:
-        table.add_row(shown(c.name), escape(c.kind), "yes" if c.per_rank else "", str(c.tensors),
-                      human_bytes(c.bytes))  # fmt: skip
+        table.add_row(
+            shown(c.name),
+            escape(c.kind),
+            "yes" if c.per_rank else "",
+            str(c.tensors),
+            human_bytes(c.bytes),
+        )
     console.print(table)
     table = Table(title="tensors")
     table.add_column("key", overflow="fold")

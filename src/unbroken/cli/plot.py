@@ -35,8 +35,8 @@ def plot_command(
     out: Annotated[Path | None, typer.Option("--out", help="PNG to write.")] = None,
     as_json: JsonOption = False,
 ) -> None:
+    from ..format.series import record_lines, record_name, series_from_lines
     from ..proof.plotting import plot_series
-    from ..proof.series import record_lines, record_name, series_from_lines
     from ..storage.locate import location
 
     with guard():

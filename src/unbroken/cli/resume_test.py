@@ -103,8 +103,9 @@ def resume_test_command(
         raise typer.BadParameter("the command must contain {dir} (its checkpoint folder)")
     work = workdir or Path(tempfile.mkdtemp(prefix="unbroken-resume-test-"))
     if not as_json:
-        stderr().print(f"resume test in {work}: running {shlex.join(command)}",
-                       markup=False, soft_wrap=True)  # fmt: skip
+        stderr().print(
+            f"resume test in {work}: running {shlex.join(command)}", markup=False, soft_wrap=True
+        )
     with guard():
         try:
             result = resume_test(

@@ -10,11 +10,15 @@ object, which needs the GIL, and if that moment falls in interpreter finalizatio
 last collective of ``close()`` just before the script returns), Python refuses it and the
 process aborts with ``terminate called without an active exception`` (issue 29). The
 object collectives are ours for that reason: torch's drop their tensors inside.
+
+:func:`unwrap` turns DCP's exception that gathered every rank's failure into the one error
+a caller raises (the first rank's, named).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import pickle
 import threading
 import time
@@ -24,8 +28,11 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
+from ..storage.interface import Location
+from ..storage.posix import free_space
 
 T = TypeVar("T")
 _local = threading.local()
@@ -309,3 +316,27 @@ def _raise_first(summaries: list[Any], error: BaseException | None) -> None:
         except Exception:
             raised = CheckpointError(f"[rank {r}] {kind.__name__}: {message}")
         raise raised
+
+
+def unwrap(exc: CheckpointException, doing: str, path: Location | None = None) -> BaseException:
+    """Turn DCP's multi-rank exception into the first underlying error, rank named
+    (and, for a full disk, the free space at ``path``).
+
+    An interrupt (KeyboardInterrupt, SystemExit) comes back unchanged, so a loop that
+    catches ``CheckpointError`` (a full disk, say) never swallows a Ctrl-C."""
+    for rank, failure in sorted(exc.failures.items()):
+        inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
+        if isinstance(inner, BaseException) and not isinstance(inner, Exception):
+            return inner  # KeyboardInterrupt, SystemExit: the caller's, unchanged
+        where = f"[rank {rank}] " if world_size() > 1 else ""
+        if isinstance(inner, CheckpointError):
+            return type(inner)(f"{where}{inner}")
+        if isinstance(inner, OSError) and inner.errno == errno.ENOSPC:
+            free = f", {free_space(path)} free there" if path is not None else ""
+            return CheckpointError(
+                f"{where}{doing} failed: the disk is full ({inner}{free}). The partial save "
+                "was removed and earlier checkpoints are untouched; free space (or lower "
+                "keep_last) and save again"
+            )
+        return CheckpointError(f"{where}{doing} failed: {type(inner).__name__}: {inner}")
+    return CheckpointError(f"{doing} failed: {exc}")

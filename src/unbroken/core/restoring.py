@@ -44,7 +44,6 @@ from ..live.state import Component, ModelComponent, live_tensors
 from ..report import RestoreReport
 from ..storage.interface import Location
 from . import collective, verify
-from .saving import unwrap
 from .transaction import Transaction
 
 logger = logging.getLogger(__name__)
@@ -163,8 +162,9 @@ def plan_components(
         else:
             status[c.name] = "restored"
     if absent or unmappable:
-        raise IncompleteCheckpointError(_not_restorable(doc, components, status, absent,
-                                                        unmappable, world))  # fmt: skip
+        raise IncompleteCheckpointError(
+            _not_restorable(doc, components, status, absent, unmappable, world)
+        )
     not_passed = [name for name in doc["components"] if name not in status]
     unexpected = [name for name in not_passed if name not in request.skip]
     if unexpected:
@@ -176,16 +176,26 @@ def plan_components(
     return Plan(status, active, warnings, saved_world, world)
 
 
-def _not_restorable(doc: dict[str, Any], components: list[Component], status: dict[str, str],
-                    absent: list[str], unmappable: list[str], world: int) -> str:  # fmt: skip
+def _not_restorable(
+    doc: dict[str, Any],
+    components: list[Component],
+    status: dict[str, str],
+    absent: list[str],
+    unmappable: list[str],
+    world: int,
+) -> str:
     """Every component passed that cannot be restored, and one ``reset=`` for them all."""
     why = []
     if absent:
-        why.append(f"{', '.join(absent)} passed to the Checkpointer but not in the "
-                   f"checkpoint of step {doc['step']}")  # fmt: skip
+        why.append(
+            f"{', '.join(absent)} passed to the Checkpointer but not in the "
+            f"checkpoint of step {doc['step']}"
+        )
     if unmappable:
-        why.append(f"{', '.join(unmappable)}: per-rank state saved by {doc['world_size']} "
-                   f"rank(s), not mappable onto {world}")  # fmt: skip
+        why.append(
+            f"{', '.join(unmappable)}: per-rank state saved by {doc['world_size']} "
+            f"rank(s), not mappable onto {world}"
+        )
     names = ", ".join(repr(c.name) for c in components if c.name not in status)
     return f"{'; '.join(why)}; pass reset={{{names}}} to start them fresh on purpose"
 
@@ -196,9 +206,10 @@ def _not_passed(doc: dict[str, Any], unexpected: list[str]) -> str:
     listed = ", ".join(repr(n) for n in unexpected)
     states = {n: doc["components"][n].get("state") for n in unexpected}
     optimizers = [
-        repr(n) for n, state in states.items()
+        repr(n)
+        for n, state in states.items()
         if n == "optimizer" or (isinstance(state, dict) and "param_groups" in state)
-    ]  # fmt: skip
+    ]
     adamw = f" (for {', '.join(optimizers)}: AdamW silently reset)" if optimizers else ""
     return (
         f"the checkpoint of step {doc['step']} holds {listed}, not passed to the "
@@ -298,7 +309,7 @@ def read_and_check(folder: Location, doc: dict[str, Any], plan: Plan, targets: T
     except BaseException as exc:
         loaded.abandon()
         if isinstance(exc, CheckpointException):
-            raise unwrap(exc, f"reading {folder}") from None
+            raise collective.unwrap(exc, f"reading {folder}") from None
         raise
     problems, sharded = loaded.check_local(doc["tensors"])
     keys = list(doc["tensors"])  # the manifest's order: the same on every rank
@@ -373,9 +384,14 @@ def verify_live(
             continue
         try:
             problems = verify.live_problems(
-                c, targets.skeletons[c.name], targets.saved[c.name], targets.tensors,
-                targets.exchanges.get(c.name), loaded.fingerprints, loaded.read_whole,
-            )  # fmt: skip
+                c,
+                targets.skeletons[c.name],
+                targets.saved[c.name],
+                targets.tensors,
+                targets.exchanges.get(c.name),
+                loaded.fingerprints,
+                loaded.read_whole,
+            )
             verify.raise_problems(problems, repr(c.name))
         except Exception as exc:
             failure = failure or exc

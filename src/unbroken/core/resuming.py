@@ -1,5 +1,10 @@
 """Which checkpoint a restore loads: the newest sound one, an explicit step, or none.
 
+The steps are tried newest first (:class:`Candidates`) and listed again when a
+concurrent save prunes, retires or re-saves the one being read: a training job saving
+into the folder (with ``keep_last``) while another process restores from it is normal
+use, and a step that vanishes under a reader is no damage (docs/reliability.md).
+
 A damaged checkpoint is detected before any live object changes, so an older one is
 tried (and named in the report). A fresh start says where it looked and what it found
 there, so a typo in the path or a folder written by another tool is visible; with
@@ -12,6 +17,7 @@ import dataclasses
 import functools
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -22,13 +28,13 @@ from ..report import RestoreReport
 from ..storage.interface import CheckpointDir, Location
 from ..storage.names import LOCK, MANIFEST, RUN_LOCK, folder_step
 from . import collective, restoring
-from .candidates import Candidates
 
 logger = logging.getLogger(__name__)
 
 REQUIRE_ENV = "UNBROKEN_REQUIRE_CHECKPOINT"
 _OURS = {LOCK, RUN_LOCK, "metrics.jsonl", "metrics"}  # metrics/: the record on a store
 _SHOWN = 5
+MAX_RELISTS = 100  # how often checkpoints may vanish while one restore() reads them
 _HEAD = 64  # bytes of a manifest read to tell garbage from a manifest
 
 
@@ -69,10 +75,23 @@ def resume(
     """Restore the newest sound checkpoint (or ``step``) into ``components``; collective.
 
     ``ignore``: the committed checkpoints belong to a run being replaced (a fresh start).
+
+    Raises:
+        ValueError: ``reset`` names a component that was not passed, or ``skip`` one
+            that was (before anything is read).
     """
     names = [c.name for c in components]
+    unknown = sorted(reset - set(names))
+    if unknown:
+        raise ValueError(f"reset names unknown component(s) {unknown}; known: {names}")
+    passed = sorted(skip & set(names))
+    if passed:
+        raise ValueError(
+            f"skip names {passed}, which were passed to the Checkpointer: use reset= to "
+            "start them fresh"
+        )
     world = collective.world_size()
-    candidates = [] if ignore else Candidates(ckdir, step, candidate_steps)  # re-listed
+    candidates = [] if ignore else Candidates(ckdir, step)  # re-listed
     skipped = lost_manifests(ckdir)  # damaged folders, named in the report
     if not candidates:
         found, foreign = collective.on_rank0(lambda: _look(ckdir))
@@ -118,7 +137,7 @@ def resume(
             logger.warning("checkpoint of step %d is damaged, trying an older one", chosen)
             continue
         report.warnings[:0] = skipped
-        report.warnings.extend(  # what its save found (core/idle_optimizers.py)
+        report.warnings.extend(  # what its save found (run/idle_optimizers.py)
             f"the checkpoint of step {chosen} was saved with a warning: {w}"
             for w in doc.get("save_warnings") or []
         )
@@ -173,6 +192,99 @@ def candidate_steps(ckdir: CheckpointDir, step: int | None) -> list[int]:
         return [step]
 
     return collective.on_rank0(find)
+
+
+class Candidates:
+    """The steps ``restore()`` tries, newest first (just ``step`` if given), the same on
+    every rank; false while none is left to try.
+
+    A step that a concurrent save pruned, retired or re-saved while it was being read is
+    no damage: when reading the step just yielded failed, call :meth:`relisted` first.
+    Collective, like the reads.
+
+    Cost on a store, however many steps there are (1,000 junk ``step_*/manifest.json``
+    keys, docs/reliability.md): the folder is listed a bounded number of times, each
+    step's mark (``CheckpointDir.step_marks``) is taken from that listing, and a step
+    whose read failed costs one more request (``step_mark``: did it vanish?).
+
+    Args:
+        ckdir: the run folder.
+        step: the step asked for, or None (the newest sound one).
+
+    Example::
+
+        for chosen in (candidates := Candidates(ckdir, None)):
+            try:
+                ...  # read_manifest, restore
+                break
+            except CorruptCheckpointError:
+                if candidates.relisted():
+                    continue
+                ...  # the damage: skip it, or raise
+    """
+
+    def __init__(self, ckdir: CheckpointDir, step: int | None) -> None:
+        self._ckdir, self._step = ckdir, step
+        self._pending = candidate_steps(ckdir, step)
+        self._marks = self._list_marks()
+        self._current: int | None = None
+        self._damaged: set[int] = set()
+        self._relists = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def __iter__(self) -> Iterator[int]:
+        while self._pending:
+            self._current = self._pending.pop(0)
+            yield self._current
+
+    def relisted(self, *, garbage: bool = False) -> bool:
+        """After reading the step just yielded failed: True if it vanished while being read
+        (the steps were listed again, less those found damaged, and iteration goes on
+        with them); False if it is still there, so the failure is damage.
+
+        ``garbage``: what was read is no checkpoint's at all (not one that vanished: a
+        save never writes such bytes), so it is damage without asking the store.
+
+        Raises:
+            CheckpointNotFoundError: nothing is left (all removed while being read).
+            CheckpointError: checkpoints vanished more than ``MAX_RELISTS`` times.
+        """
+        assert self._current is not None
+        if garbage or not self._vanished(self._current):
+            self._damaged.add(self._current)
+            return False
+        if self._relists >= MAX_RELISTS:
+            raise CheckpointError(
+                f"the checkpoints in {self._ckdir.root} were pruned or replaced "
+                f"{self._relists} times while being read: keep more of them (keep_last) "
+                "while other processes restore"
+            )
+        self._relists += 1
+        listed = candidate_steps(self._ckdir, self._step)
+        self._pending = [s for s in listed if s not in self._damaged]
+        self._marks = self._list_marks()
+        if not self._pending:
+            raise CheckpointNotFoundError(
+                f"the checkpoints in {self._ckdir.root} were removed while being read"
+                + (f"; damaged: steps {sorted(self._damaged)}" if self._damaged else "")
+            )
+        logger.info("step %d vanished while being read; steps listed again", self._current)
+        return True
+
+    def _list_marks(self) -> dict[int, str]:
+        """Rank 0's marks of the committed steps, from one listing; collective."""
+        if not self._pending:
+            return {}
+        return collective.on_rank0(self._ckdir.step_marks) or {}
+
+    def _vanished(self, step: int) -> bool:
+        """Whether ``step`` stopped being the checkpoint listed before it was read
+        (pruned, retired or re-saved meanwhile): its read errors are then no damage.
+        Rank 0 decides for all."""
+        seen = self._marks.get(step)
+        return collective.on_rank0(lambda: seen is None or self._ckdir.step_mark(step) != seen)
 
 
 def lost_manifests(ckdir: CheckpointDir) -> list[str]:

@@ -4,25 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import json
 import logging
-import platform
-import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
 import xxhash
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.tensor import DTensor
 
-from .._version import __version__
 from ..errors import CheckpointError
 from ..format import fingerprint, layout, manifest, tree
 from ..format.shard_writer import ShardWriter, write_files
@@ -32,32 +27,48 @@ from ..live.components import rank_prefix
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, StatefulComponent, device_kind
 from ..storage.interface import CheckpointDir, Location
-from ..storage.posix import free_space
 from . import collective, verify
-from .idle_optimizers import IdleOptimizers
-from .ownership import FolderClaim
 from .staging import StagingBuffers, settle
 
 logger = logging.getLogger(__name__)
+
+
+class RunHooks(Protocol):
+    """What one save asks of the run it belongs to (``run/run.py``'s ``RunSave``), fixed
+    when ``save()`` was called. Rank 0 calls the methods, in this order, holding the
+    folder's save lock; a background save calls them from its own thread."""
+
+    lineage: list[dict[str, Any]]  # the run's history, as the manifest records it
+    metrics: list[dict[str, Any]]  # the last tracked steps, for the manifest
+    retire: list[int]  # committed steps of an abandoned branch, retired at the commit
+
+    def check(self, step: int) -> None:
+        """Before anything is written: raise ``CheckpointError`` if the save must not
+        happen (another run committed into the folder)."""
+        ...
+
+    def findings(
+        self, skeletons: Mapping[str, Any], tensors: Mapping[str, Any], algorithm: str
+    ) -> list[str]:
+        """Before the commit: the run's warnings about this save (the manifest keeps
+        them), given its skeletons and tensor entries."""
+        ...
+
+    def committed(
+        self, step: int, skeletons: Mapping[str, Any], tensors: Mapping[str, Any], algorithm: str
+    ) -> None:
+        """Once the save committed. Never raises."""
+        ...
 
 
 @dataclasses.dataclass
 class SaveRequest:
     step: int
     components: list[Component]
-    lineage: list[dict[str, Any]]
-    metrics: list[dict[str, Any]]
+    run: RunHooks | None  # None: a save outside a run (tools, tests)
     probe: dict[str, Any] | None  # this rank's probe record
     # shared components already reported as saved per rank (warned once, then kept quiet)
     noted_per_rank: set[str] = dataclasses.field(default_factory=set)
-    # Committed steps of an abandoned branch, retired just before this save's commit.
-    retire: list[int] = dataclasses.field(default_factory=list)
-    # What the Checkpointer knows of its folder: no other run's steps (core/ownership.py).
-    claim: FolderClaim | None = None
-    # Optimizers holding no state while their parameters change (core/idle_optimizers.py),
-    # and each one's step count when save() was called.
-    idle: IdleOptimizers | None = None
-    optimizer_steps: dict[Any, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -137,8 +148,9 @@ def stage(
             flat = {**flat, **buffers.copy({k: t for k, t in flat.items() if k not in deferred})}
             buffers.keep_only(flat)
         notes = [note for c in request.components for note in c.save_warnings()]
-        return Staged(request, skeletons, flat, info, per_rank, deferred, partitioned=partitioned,
-                      notes=notes)  # fmt: skip
+        return Staged(
+            request, skeletons, flat, info, per_rank, deferred, partitioned=partitioned, notes=notes
+        )
 
     staged = collective.agree(encode)
     assert staged is not None
@@ -203,8 +215,8 @@ def _digest(state: Any, name: str) -> str:
 def write(ckdir: CheckpointDir, staged: Staged) -> Location:
     """Write and commit a staged checkpoint; collective. Returns the committed folder.
 
-    Rank 0 holds the folder's save lock throughout, refuses the save if another run
-    committed into the folder (``request.claim``), cleans leftovers of crashed saves,
+    Rank 0 holds the folder's save lock throughout, refuses the save if its run says so
+    (``RunHooks.check``: another run committed into the folder), cleans leftovers of crashed saves,
     and removes its partial folder if anything fails: committed checkpoints are never
     touched by a failed save.
     """
@@ -215,8 +227,8 @@ def write(ckdir: CheckpointDir, staged: Staged) -> Location:
 
         def prepare() -> str:
             stack.enter_context(ckdir.save_lock())
-            if staged.request.claim is not None:
-                staged.request.claim.check(step, staged.request.lineage)  # before any write
+            if staged.request.run is not None:
+                staged.request.run.check(step)  # before any write
             ckdir.clean_leftovers()
             return ckdir.token(ckdir.new_partial(step))
 
@@ -235,8 +247,9 @@ def write(ckdir: CheckpointDir, staged: Staged) -> Location:
 
 def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -> Location:
     request, flat = staged.request, staged.flat
-    writer = ShardWriter(partial, rank=rank, name=ckdir.shard_name(partial, rank),
-                         files=write_files())  # fmt: skip
+    writer = ShardWriter(
+        partial, rank=rank, name=ckdir.shard_name(partial, rank), files=write_files()
+    )
     settle(flat)
     # Fingerprints are computed while DCP writes: file I/O and torch kernels both
     # release the GIL, so the two overlap on separate cores (on a GPU, the fingerprints
@@ -262,7 +275,9 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
                     no_dist=not collective.active(),
                 )
         except CheckpointException as exc:
-            raise unwrap(exc, f"saving step {request.step} into {partial}", partial) from None
+            raise collective.unwrap(
+                exc, f"saving step {request.step} into {partial}", partial
+            ) from None
         local = {
             "partials": {k: v for job in jobs for k, v in job.result().items()},
             "fingerprint_algorithm": algorithm,
@@ -284,12 +299,12 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
         assert gathered is not None
         body = _manifest_body(request, staged, writer, gathered)
         data = manifest.encode(partial, body)
-        final = ckdir.commit(partial, request.step, retire=request.retire, manifest=data)
-        if request.claim is not None:
-            request.claim.committed(request.step)
-        if request.idle is not None:
-            request.idle.committed(request.step, staged.skeletons, body["tensors"],
-                                   request.optimizer_steps, body["fingerprint_algorithm"])  # fmt: skip
+        retire = request.run.retire if request.run is not None else []
+        final = ckdir.commit(partial, request.step, retire=retire, manifest=data)
+        if request.run is not None:
+            request.run.committed(
+                request.step, staged.skeletons, body["tensors"], body["fingerprint_algorithm"]
+            )
         return str(final), body.get("save_warnings", [])
 
     committed = collective.on_rank0(commit)
@@ -301,33 +316,43 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
 def _manifest_body(
     request: SaveRequest, staged: Staged, writer: ShardWriter, gathered: list[dict]
 ) -> dict[str, Any]:
-    md = writer.metadata
-    if md is None:
+    """The manifest's document (``format/manifest.py`` builds it): every rank's
+    fingerprints, files and per-rank skeletons, and what the run records."""
+    if writer.metadata is None:
         raise CheckpointError("internal error: the coordinator has no DCP metadata after save")
-    prints = verify.combine([g["partials"] for g in gathered])
     info: dict[str, dict] = {}
     for g in gathered:
         for k, v in g["info"].items():
             info.setdefault(k, v)
-    tensors = {}
-    for key, tmd in md.state_dict_metadata.items():
-        chunks = []
-        for c in tmd.chunks:
-            loc = md.storage_data[MetadataIndex(key, c.offsets)]
-            chunks.append(
-                {"offsets": list(c.offsets), "sizes": list(c.sizes), **dataclasses.asdict(loc)}
-            )
-        tensors[key] = {
-            "shape": list(tmd.size),
-            "dtype": manifest.dtype_name(tmd.properties.dtype),
-            "device": info[key]["device"],
-            "fingerprint": prints[key],
-            "chunks": chunks,
-        }
-        if "stride" in info[key]:
-            tensors[key]["stride"] = info[key]["stride"]
-    components: dict[str, Any] = {}
-    for c in request.components:
+    algorithm = gathered[0]["fingerprint_algorithm"]
+    tensors = manifest.tensor_entries(
+        writer.metadata, verify.combine([g["partials"] for g in gathered]), info
+    )
+    warnings = list(staged.notes)
+    if request.run is not None:
+        warnings += request.run.findings(staged.skeletons, tensors, algorithm)
+    probes = [g["probe"] for g in gathered]
+    return manifest.document(
+        step=request.step,
+        world_size=len(gathered),
+        components=_component_entries(request.components, staged, gathered),
+        tensors=tensors,
+        files=dict(record for g in gathered for record in g["files"]),
+        fingerprint_algorithm=algorithm,
+        lineage=request.run.lineage if request.run is not None else [],
+        metrics=request.run.metrics if request.run is not None else [],
+        probes=probes if probes[0] is not None else None,
+        warnings=warnings,
+    )
+
+
+def _component_entries(
+    components: list[Component], staged: Staged, gathered: list[dict]
+) -> dict[str, Any]:
+    """Each component's manifest entry: its kind, and its state's skeleton (one, one per
+    rank, or every pipeline stage's part merged)."""
+    entries: dict[str, Any] = {}
+    for c in components:
         per_rank = c.name in staged.per_rank
         entry: dict[str, Any] = {"kind": c.kind, "per_rank": per_rank}
         if isinstance(c, ModelComponent):  # trainable parameters (not buffers, not frozen)
@@ -340,54 +365,5 @@ def _manifest_body(
                 entry["parameters"] = sorted({f for g in gathered for f in g["parameters"][c.name]})
         else:
             entry["state"] = staged.skeletons[c.name]
-        components[c.name] = entry
-    files = dict(record for g in gathered for record in g["files"])
-    probes = [g["probe"] for g in gathered]
-    warnings = list(staged.notes)
-    if request.idle is not None:
-        warnings += request.idle.findings(staged.skeletons, tensors, request.optimizer_steps,
-                                          gathered[0]["fingerprint_algorithm"])  # fmt: skip
-    return {
-        "step": request.step,
-        "created_unix": time.time(),
-        "world_size": len(gathered),
-        "versions": {
-            "unbroken": __version__,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-        },
-        "fingerprint_algorithm": gathered[0]["fingerprint_algorithm"],
-        "checksum_algorithm": "xxh3-128",
-        "byteorder": sys.byteorder,
-        "components": components,
-        "tensors": tensors,
-        "files": files,
-        "lineage": request.lineage,
-        "metrics": request.metrics,
-        "probe": {"ranks": probes} if probes[0] is not None else None,
-        **({"save_warnings": warnings} if warnings else {}),
-    }
-
-
-def unwrap(exc: CheckpointException, doing: str, path: Location | None = None) -> BaseException:
-    """Turn DCP's multi-rank exception into the first underlying error, rank named
-    (and, for a full disk, the free space at ``path``).
-
-    An interrupt (KeyboardInterrupt, SystemExit) comes back unchanged, so a loop that
-    catches ``CheckpointError`` (a full disk, say) never swallows a Ctrl-C."""
-    for rank, failure in sorted(exc.failures.items()):
-        inner = failure[0] if isinstance(failure, tuple) else getattr(failure, "exception", failure)
-        if isinstance(inner, BaseException) and not isinstance(inner, Exception):
-            return inner  # KeyboardInterrupt, SystemExit: the caller's, unchanged
-        where = f"[rank {rank}] " if collective.world_size() > 1 else ""
-        if isinstance(inner, CheckpointError):
-            return type(inner)(f"{where}{inner}")
-        if isinstance(inner, OSError) and inner.errno == errno.ENOSPC:
-            free = f", {free_space(path)} free there" if path is not None else ""
-            return CheckpointError(
-                f"{where}{doing} failed: the disk is full ({inner}{free}). The partial save "
-                "was removed and earlier checkpoints are untouched; free space (or lower "
-                "keep_last) and save again"
-            )
-        return CheckpointError(f"{where}{doing} failed: {type(inner).__name__}: {inner}")
-    return CheckpointError(f"{doing} failed: {exc}")
+        entries[c.name] = entry
+    return entries

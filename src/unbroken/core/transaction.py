@@ -83,8 +83,10 @@ class Transaction:
                 f"could not be loaded back either ({failed[raising]}): check it"
             )
         if interrupts and isinstance(exc, Exception):  # the interrupt goes on, not exc
-            interrupts[0].add_note(f"interrupted while restore() was rolled back after "
-                                   f"{type(exc).__name__}: {exc}\n({note})")  # fmt: skip
+            interrupts[0].add_note(
+                f"interrupted while restore() was rolled back after "
+                f"{type(exc).__name__}: {exc}\n({note})"
+            )
             raise interrupts[0] from exc
         if isinstance(exc, CheckpointError) and exc.args and isinstance(exc.args[0], str):
             exc.args = (f"{exc.args[0]}\n({note})", *exc.args[1:])

@@ -6,13 +6,13 @@ resume was exact compares bits, never numbers:
 - Tensors compare as raw words (:func:`equal`; :func:`differing` per element): a NaN
   equals the same NaN (same payload), and -0.0 differs from 0.0. The restore check
   (core/verify.py), the in-place install (live/exchange.py), tied weights
-  (tools/tying.py) and the optimizer watch (proof/optimizer_watch.py) use
+  (tools/tying.py) and the optimizer watch (run/optimizer_watch.py) use
   :func:`equal`; an element-by-element diff of two tensors uses :func:`differing`.
 - Python floats (tracked metrics read back from a metrics record, floats in a saved
   state's JSON skeleton) compare by their IEEE-754 bits (:func:`same_float`), except that
   any NaN equals any NaN: JSON stores a non-finite value as text (``"nan"``) and keeps no
   NaN payload, so two NaNs read back cannot be told apart. -0.0 still differs from 0.0.
-  The replay check (proof/replay_check.py), the resume test (proof/replay.py), the
+  The replay check (run/replay_check.py), the resume test (proof/replay.py), the
   check of non-tensor state after a restore (format/tree.py ``difference``) and the
   comparison of two checkpoints' state (format/state_compare.py) use it.
 

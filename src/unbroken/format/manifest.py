@@ -8,11 +8,14 @@ the probe value and recent tracked metrics. ``manifest_checksum`` covers the res
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import platform
 import re
 import sys
+import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +82,76 @@ def dtype_name(dtype: torch.dtype) -> str:
 def tensor_nbytes(entry: dict[str, Any]) -> int:
     """Bytes of a manifest tensor entry's logical tensor (from its shape and dtype)."""
     return math.prod(entry["shape"]) * ITEMSIZES[entry["dtype"]]
+
+
+def tensor_entries(
+    metadata: Any, prints: Mapping[str, str], info: Mapping[str, Mapping[str, Any]]
+) -> dict[str, dict[str, Any]]:
+    """Every tensor's manifest entry: its shape, dtype, device, fingerprint and chunks
+    (where each piece lies in which file), from the DCP ``metadata`` a save's writer
+    produced, the tensors' combined ``prints`` and what was known at capture (``info``:
+    device, and the stride where the layout is not row-major)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    tensors = {}
+    for key, tmd in metadata.state_dict_metadata.items():
+        chunks = []
+        for c in tmd.chunks:
+            where = metadata.storage_data[MetadataIndex(key, c.offsets)]
+            chunks.append(
+                {"offsets": list(c.offsets), "sizes": list(c.sizes), **dataclasses.asdict(where)}
+            )
+        tensors[key] = {
+            "shape": list(tmd.size),
+            "dtype": dtype_name(tmd.properties.dtype),
+            "device": info[key]["device"],
+            "fingerprint": prints[key],
+            "chunks": chunks,
+        }
+        if "stride" in info[key]:
+            tensors[key]["stride"] = info[key]["stride"]
+    return tensors
+
+
+def document(
+    *,
+    step: int,
+    world_size: int,
+    components: dict[str, Any],
+    tensors: dict[str, Any],
+    files: dict[str, Any],
+    fingerprint_algorithm: str,
+    lineage: list[dict[str, Any]],
+    metrics: list[dict[str, Any]],
+    probes: list[Any] | None,
+    warnings: list[str],
+) -> dict[str, Any]:
+    """A checkpoint's manifest document, as :func:`encode` seals it and :func:`read`
+    checks it (``schema.py`` says what each field may hold)."""
+    import torch
+
+    from .._version import __version__
+
+    return {
+        "step": step,
+        "created_unix": time.time(),
+        "world_size": world_size,
+        "versions": {
+            "unbroken": __version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "fingerprint_algorithm": fingerprint_algorithm,
+        "checksum_algorithm": "xxh3-128",
+        "byteorder": sys.byteorder,
+        "components": components,
+        "tensors": tensors,
+        "files": files,
+        "lineage": lineage,
+        "metrics": metrics,
+        "probe": {"ranks": probes} if probes is not None else None,
+        **({"save_warnings": warnings} if warnings else {}),
+    }
 
 
 def _digest(body: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from ..errors import CorruptCheckpointError
-from . import layout, skeleton_check, tree
+from . import layout, tree
 
 MAX_DEPTH = 200  # JSON nesting; a state nests at most tree.MAX_STATE_DEPTH (~3x in JSON)
 MAX_WORLD_SIZE = 1 << 20
@@ -43,11 +43,24 @@ _NON_FINITE = ("nan", "inf", "-inf")
 # no torch; ``manifest.DTYPES`` gives the torch dtypes (tests/unit/test_format_dtypes.py
 # holds this table to torch's element sizes).
 ITEMSIZES = {
-    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
-    "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8, "complex128": 16,
-    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
-    "uint16": 2, "uint32": 4, "uint64": 8,
-}  # fmt: skip
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "complex64": 8,
+    "complex128": 16,
+    "int64": 8,
+    "int32": 4,
+    "int16": 2,
+    "int8": 1,
+    "uint8": 1,
+    "bool": 1,
+    "uint16": 2,
+    "uint32": 4,
+    "uint64": 8,
+}
 # Device types saves record on common machines (a tensor's device when it was staged),
 # accepted without asking torch; any other is checked with torch.device (imports torch).
 COMMON_DEVICES = frozenset({"cpu", "cuda", "meta", "mps", "xpu", "hpu", "mtia", "xla"})
@@ -284,7 +297,7 @@ def _component(name: str, entry: Any, world: int) -> None:
         skeletons = [(entry["state"], f"{where}/state")]
     for skeleton, at in skeletons:
         try:
-            skeleton_check.check(skeleton, None)  # an unlisted tensor: restore and verify name it
+            tree.check_skeleton(skeleton, None)  # an unlisted tensor: restore and verify name it
         except tree.SkeletonError as exc:
             _fail(at, str(exc).removeprefix("/"))
         if name == "optimizer":

@@ -132,8 +132,9 @@ def same_leaf(a: Any, b: Any) -> bool:
     return _kind(a) is _kind(b) and a == b
 
 
-def _walk(a: Any, b: Any, path: str, out: list[str], tables: Tables | None,
-          names: tuple[str, str]) -> None:  # fmt: skip
+def _walk(
+    a: Any, b: Any, path: str, out: list[str], tables: Tables | None, names: tuple[str, str]
+) -> None:
     if _is_ref(a) or _is_ref(b):
         if _is_ref(a) and _is_ref(b):
             for field in dict.fromkeys([*a, *b]):  # besides the key: requires_grad

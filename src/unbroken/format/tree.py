@@ -17,6 +17,9 @@ A tensor's reference keeps what the flat tensor cannot: ``"requires_grad": true`
 tensor that requires grad (an extra's learnable scalar), so it comes back as a leaf that
 requires grad. The field is written only then, so older skeletons (which never have it)
 decode as before.
+
+A skeleton read from a manifest is untrusted: :func:`check_skeleton` walks it before it
+is decoded and refuses, naming the path, what decoding would choke on or misread.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -53,9 +56,13 @@ _SET_TAGS: dict[type, str] = {set: "set", frozenset: "frozenset"}
 # what format/schema.py checks before anything is decoded.
 TAG_FIELDS: dict[str, set[str]] = {
     **{t: {"items"} for t in ("tuple", "dict", "counter", "ordereddict", "set", "frozenset")},
-    "tensor": {"key"}, "float": {"repr"}, "defaultdict": {"factory", "items"},
-    "dtype": {"name"}, "ndarray": {"dtype", "shape", "data"}, "npscalar": {"dtype", "value"},
-}  # fmt: skip
+    "tensor": {"key"},
+    "float": {"repr"},
+    "defaultdict": {"factory", "items"},
+    "dtype": {"name"},
+    "ndarray": {"dtype", "shape", "data"},
+    "npscalar": {"dtype", "value"},
+}
 # Fields a tag may have besides those, each with the one value it may take when present.
 OPTIONAL_FIELDS: dict[str, dict[str, Any]] = {"tensor": {"requires_grad": True}}
 _NON_FINITE = ("nan", "inf", "-inf")
@@ -99,8 +106,10 @@ def _encode(value: Any, path: list, tensors: dict, key_for: Callable | None) -> 
     import torch  # here, not at the top: reading skeletons needs no torch
 
     if len(path) > MAX_STATE_DEPTH:  # deeper would be refused at restore (format/schema.py)
-        raise TypeError(f"cannot save {_where(path[:4])}/...: state nested deeper than "
-                        f"{MAX_STATE_DEPTH} levels; flatten it in state_dict()")  # fmt: skip
+        raise TypeError(
+            f"cannot save {_where(path[:4])}/...: state nested deeper than "
+            f"{MAX_STATE_DEPTH} levels; flatten it in state_dict()"
+        )
     if isinstance(value, torch.Tensor):
         key = key_for(path) if key_for is not None else join_key(*path)
         if key in tensors:
@@ -388,3 +397,84 @@ def tensor_keys(skeleton: Any) -> list[str]:
 
     walk(skeleton)
     return found
+
+
+# -- a skeleton read from a manifest (untrusted), checked before it is decoded -------------
+
+
+def check_skeleton(node: Any, keys: Container[str] | None, where: str = "") -> None:
+    """Raise :class:`SkeletonError` (naming the path) unless :func:`decode` succeeds on
+    the skeleton ``node``: every tag known and well formed, every dict key and set member
+    hashable, every tensor reference a string (one of ``keys`` unless None). Nothing is
+    built but the small tagged leaves (floats, dtypes, numpy values)."""
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            check_skeleton(v, keys, f"{where}/{i}")
+    elif isinstance(node, dict) and TAG not in node:
+        for k, v in node.items():
+            check_skeleton(v, keys, f"{where}/{k}")
+    elif isinstance(node, dict):
+        _check_tagged(node, keys, where)
+
+
+def _check_tagged(node: dict, keys: Container[str] | None, where: str) -> None:
+    tag = node[TAG]
+    fields = TAG_FIELDS.get(tag) if isinstance(tag, str) else None
+    if fields is None:
+        raise SkeletonError(f"{where or '/'}: {unknown_tag(tag)}")
+    optional = OPTIONAL_FIELDS.get(tag, {})
+    if not {TAG, *fields} <= set(node) <= {TAG, *fields, *optional}:
+        allowed = f" (and optionally {sorted(optional)})" if optional else ""
+        raise SkeletonError(
+            f"{where}: a {tag!r} tag has the fields {sorted(fields)}{allowed}, not {sorted(node)}"
+        )
+    for field, value in optional.items():
+        if field in node and node[field] is not value:
+            raise SkeletonError(
+                f"{where}: a {tag!r} tag's {field!r} is {value!r} when "
+                f"present, not {repr(node[field])[:40]}"
+            )
+    if tag == "tensor":
+        if not isinstance(node["key"], str) or (keys is not None and node["key"] not in keys):
+            raise SkeletonError(
+                f"{where}: references tensor {repr(node['key'])[:80]}, "
+                "which the manifest does not list"
+            )
+    elif tag in ("float", "dtype", "ndarray", "npscalar"):  # small leaves: decoded for real
+        try:
+            decode(node, {})
+        except (ValueError, TypeError, OverflowError, KeyError) as exc:
+            raise SkeletonError(f"{where}: malformed {tag!r} ({exc})") from None
+    elif not isinstance(node["items"], list):
+        raise SkeletonError(f"{where}: the items of a {tag!r} are not a list")
+    elif tag == "defaultdict" and node["factory"] not in (None, *FACTORIES):
+        raise SkeletonError(f"{where}: unknown defaultdict factory {node['factory']!r}")
+    else:
+        for i, item in enumerate(node["items"]):
+            if tag == "tuple":
+                check_skeleton(item, keys, f"{where}/{i}")
+            elif tag in ("set", "frozenset"):
+                _check_key(item, f"{where}/{i}", "set member")
+            elif isinstance(item, list) and len(item) == 2:
+                _check_key(item[0], f"{where}/{i}", "dict key")
+                check_skeleton(item[1], keys, f"{where}/{i}")
+            else:
+                raise SkeletonError(f"{where}: the items of a {tag!r} are not pairs")
+
+
+def _check_key(key: Any, where: str, what: str) -> None:
+    """A dict key or set member that decodes to a hashable value."""
+    if key is None or isinstance(key, str | int | float):
+        return
+    tag = key.get(TAG) if isinstance(key, dict) else None
+    if tag in ("float", "npscalar"):
+        return _check_tagged(key, (), where)
+    items = key.get("items") if tag in ("tuple", "frozenset") and len(key) == 2 else None
+    if isinstance(items, list):
+        for i, k in enumerate(items):
+            _check_key(k, f"{where}/{i}", what)
+        return
+    raise SkeletonError(
+        f"{where}: a {what} must be a scalar or a tagged tuple, "
+        f"frozenset, float or numpy scalar, not {repr(key)[:80]}"
+    )

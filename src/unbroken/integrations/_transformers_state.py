@@ -32,10 +32,17 @@ from ..storage.locate import checkpoint_dir
 
 # TrainerState fields the Trainer sets from the current run, not from a checkpoint
 # (TrainerState.init_training_references): never saved, never overwritten.
-REFRESHED = frozenset({
-    "max_steps", "num_train_epochs", "is_local_process_zero", "is_world_process_zero",
-    "is_hyper_param_search", "trial_name", "trial_params",
-})  # fmt: skip
+REFRESHED = frozenset(
+    {
+        "max_steps",
+        "num_train_epochs",
+        "is_local_process_zero",
+        "is_world_process_zero",
+        "is_hyper_param_search",
+        "trial_name",
+        "trial_params",
+    }
+)
 STATE, LOOP, DATA = "trainer_state", "trainer_loop", "data_order"
 
 

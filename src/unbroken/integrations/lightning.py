@@ -127,8 +127,13 @@ class UnbrokenCallback(pl.Callback):
             raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps!r}")
         self._dirpath = dirpath
         self._every = every_n_steps
-        self._options = dict(keep_last=keep_last, probe=probe, async_save=async_save,
-                             loss_metric=loss_metric, grad_norm_metric=grad_norm_metric)  # fmt: skip
+        self._options = dict(
+            keep_last=keep_last,
+            probe=probe,
+            async_save=async_save,
+            loss_metric=loss_metric,
+            grad_norm_metric=grad_norm_metric,
+        )
         self._extra = dict(extra or {})
         if isinstance(reset, str) or not all(isinstance(name, str) for name in reset):
             raise TypeError(f"reset must be a collection of component names, got {reset!r}")
@@ -222,8 +227,9 @@ class UnbrokenCallback(pl.Callback):
         if not (self._pending_save or self._pending_stop):
             return
         if not _Fit(trainer).between_batches():
-            logger.info("step %d: a checkpoint here would not be exact; saving after the "
-                        "next batch", step)  # fmt: skip
+            logger.info(
+                "step %d: a checkpoint here would not be exact; saving after the next batch", step
+            )
             return
         ckpt.save(step)
         self._saved, self._pending_save = step, False
@@ -231,8 +237,11 @@ class UnbrokenCallback(pl.Callback):
             self._pending_stop = False
             trainer.should_stop = True
             if not _Fit(trainer).can_stop():
-                logger.warning("stop requested at step %d, but min_epochs/min_steps are not "
-                               "met: Lightning goes on training", step)  # fmt: skip
+                logger.warning(
+                    "stop requested at step %d, but min_epochs/min_steps are not "
+                    "met: Lightning goes on training",
+                    step,
+                )
 
     def _metrics(self, outputs: Any) -> dict[str, Any]:
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
@@ -326,8 +335,10 @@ class _Fit:
         if not self.loaders():
             raise CheckpointError(f"{where}: the trainer has no train dataloader to save")
         for i, loader in enumerate(self.loaders()):
-            samplers = (getattr(loader, "sampler", None),
-                        getattr(getattr(loader, "batch_sampler", None), "sampler", None))  # fmt: skip
+            samplers = (
+                getattr(loader, "sampler", None),
+                getattr(getattr(loader, "batch_sampler", None), "sampler", None),
+            )
             if any(isinstance(s, DistributedSamplerWrapper) for s in samplers):
                 raise CheckpointError(
                     f"{where}: train dataloader {i}'s sampler is wrapped in Lightning's "

@@ -5,7 +5,7 @@ step is logged once, crashes and recomputed steps included, and logs the replay 
 verdict after a resume. ``tensorboard`` and ``wandb`` are imported when a tracker starts,
 never by ``import unbroken`` (or this module); a tracker made without its package raises
 ``ImportError`` at once, on every rank alike. The protocol a tracker of your own follows
-is :class:`Tracker` (``unbroken.proof.trackers``). See docs/integrations/trackers.md.
+is :class:`Tracker` (``unbroken.run.trackers``). See docs/integrations/trackers.md.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ..proof.replay_check import ReplayVerdict
-from ..proof.trackers import Tracker
+from ..run.replay_check import ReplayVerdict
+from ..run.trackers import Tracker
 
 __all__ = ["TensorBoardTracker", "Tracker", "WandbTracker"]
 

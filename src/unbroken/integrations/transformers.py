@@ -94,8 +94,12 @@ class UnbrokenCallback(TrainerCallback):
                 f"extra may not use the names {[hf.STATE, hf.LOOP, hf.DATA, 'scaler']}"
             )
         self.path = os.fspath(path)
-        self._options = {"keep_last": keep_last, "async_save": async_save, "probe": probe,
-                         "overwrite": overwrite}  # fmt: skip
+        self._options = {
+            "keep_last": keep_last,
+            "async_save": async_save,
+            "probe": probe,
+            "overwrite": overwrite,
+        }
         self._extra = dict(extra or {})
         self._step, self._reset, self._require = step, set(reset or ()), require
         self._trainer: Any = None
@@ -117,8 +121,9 @@ class UnbrokenCallback(TrainerCallback):
             raise RuntimeError(NOT_BOUND)
         live = hf.data_facts(args, trainer, kwargs["train_dataloader"])
         if self._point is not None:  # before anything live changes
-            hf.check_data_order(self._point.data_order, live,
-                                where=f"the checkpoint {self._point.folder}")  # fmt: skip
+            hf.check_data_order(
+                self._point.data_order, live, where=f"the checkpoint {self._point.folder}"
+            )
         self.checkpointer = Checkpointer(
             self.path,
             model=trainer.model,
@@ -139,8 +144,9 @@ class UnbrokenCallback(TrainerCallback):
             )
         if point is not None:
             if state.global_step != point.step:  # the manifest said so; cannot differ
-                raise CheckpointError(f"restored global_step {state.global_step}, expected "
-                                      f"{point.step}")  # fmt: skip
+                raise CheckpointError(
+                    f"restored global_step {state.global_step}, expected {point.step}"
+                )
             self._rng = hf.rng_snapshot()  # put back when the Trainer restores its RNGs
             logger.info("resumed the Trainer at step %d: %s", point.step, self.report)
 
@@ -280,19 +286,26 @@ def _refuse_inexact(trainer: Any) -> None:
     args = trainer.args
     problems = []
     if args.ignore_data_skip:
-        problems.append("ignore_data_skip=True: a resumed run would start its epoch over; "
-                        "set it to False")  # fmt: skip
+        problems.append(
+            "ignore_data_skip=True: a resumed run would start its epoch over; set it to False"
+        )
     if args.load_best_model_at_end:
-        problems.append("load_best_model_at_end=True needs the Trainer's own checkpoint-N "
-                        "folders; set it to False")  # fmt: skip
+        problems.append(
+            "load_best_model_at_end=True needs the Trainer's own checkpoint-N "
+            "folders; set it to False"
+        )
     if getattr(trainer, "is_deepspeed_enabled", False):
-        problems.append("DeepSpeed keeps the optimizer and scheduler inside its engine, which "
-                        "unbroken does not restore; use DDP or FSDP")  # fmt: skip
+        problems.append(
+            "DeepSpeed keeps the optimizer and scheduler inside its engine, which "
+            "unbroken does not restore; use DDP or FSDP"
+        )
     import torch.utils.data
 
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
-        problems.append("an IterableDataset has no position the Trainer can skip to exactly "
-                        "(it re-reads and drops batches); use a map-style dataset")  # fmt: skip
+        problems.append(
+            "an IterableDataset has no position the Trainer can skip to exactly "
+            "(it re-reads and drops batches); use a map-style dataset"
+        )
     if problems:
         raise ValueError("this Trainer cannot resume exactly: " + "; ".join(problems))
     if args.dataloader_num_workers:

@@ -222,8 +222,7 @@ class LoaderComponent(StatefulComponent):
     """The per-rank ``dataloader`` component: one :class:`ExactLoader` or a dict of them."""
 
     def __init__(self, loaders: dict[str | None, ExactLoader]) -> None:
-        super().__init__("dataloader", loaders.get(None, loaders), kind="dataloader",
-                         per_rank=True)  # fmt: skip
+        super().__init__("dataloader", loaders.get(None, loaders), kind="dataloader", per_rank=True)
         self.loaders = loaders
 
     def save_warnings(self) -> list[str]:
@@ -237,8 +236,10 @@ def dataloader_component(dataloader: Any) -> LoaderComponent:
     adapted = {}
     for name, loader in named.items():
         label = "dataloader" if name is None else f"dataloader[{name!r}]"
-        if not (callable(getattr(loader, "state_dict", None))
-                and callable(getattr(loader, "load_state_dict", None))):  # fmt: skip
+        if not (
+            callable(getattr(loader, "state_dict", None))
+            and callable(getattr(loader, "load_state_dict", None))
+        ):
             if isinstance(loader, torch.utils.data.DataLoader):
                 raise TypeError(f"{label}: {PLAIN_LOADER_FIX}")
             raise TypeError(

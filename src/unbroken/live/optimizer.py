@@ -27,9 +27,19 @@ from .state import Component, ModelComponent, empty_target, listing, named
 
 # State entries that always have their parameter's shape (torch's built-in optimizers).
 PARAM_SHAPED = frozenset(
-    {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "square_avg", "acc_delta",
-     "sum", "ax", "prev", "mu_product_buffer"}
-)  # fmt: skip
+    {
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "momentum_buffer",
+        "square_avg",
+        "acc_delta",
+        "sum",
+        "ax",
+        "prev",
+        "mu_product_buffer",
+    }
+)
 # Where state kept under keys that are not parameters goes in a captured optimizer.
 NON_PARAM_STATE = "unbroken:non_param_state"
 # The optimizer's class (``module.qualname``) beside its state; checkpoints written before

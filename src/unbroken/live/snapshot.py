@@ -119,8 +119,11 @@ def _clone(value: Any) -> Any:
             # and put back from there (slower, one copy to and one from the host).
             logger.warning(
                 "restore: no room on %s for the undo copy of a %s tensor of %d bytes; kept "
-                "in host memory instead", value.device, tuple(value.shape), value.nbytes,
-            )  # fmt: skip
+                "in host memory instead",
+                value.device,
+                tuple(value.shape),
+                value.nbytes,
+            )
             return value.detach().to("cpu")
     if isinstance(value, dict):
         return {k: _clone(v) for k, v in value.items()}

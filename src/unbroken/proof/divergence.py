@@ -27,10 +27,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..format import bitwise, manifest
+from ..format.series import Series
 from ..format.state_compare import StateComparison, compare_state
 from .generators import differing, label
 from .resume_lineage import ordinal, resets
-from .series import Series
 
 _SHOWN = 6  # components named in a cause
 
@@ -74,13 +74,16 @@ class Evidence:
         return found, gens
 
 
-def evidence(straight: Mapping[int, Doc], resumed: Mapping[int, Doc],
-             stops: Sequence[int]) -> Evidence:  # fmt: skip
+def evidence(
+    straight: Mapping[int, Doc], resumed: Mapping[int, Doc], stops: Sequence[int]
+) -> Evidence:
     """The checkpoints both runs kept of the same step (``resumed``: the resumed folder's,
     as each run left them), and the generators that differ before any resume."""
-    steps = sorted(s for s in straight.keys() & resumed.keys()
-                   if manifest.fingerprint_algorithm(straight[s])
-                   == manifest.fingerprint_algorithm(resumed[s]))  # fmt: skip
+    steps = sorted(
+        s
+        for s in straight.keys() & resumed.keys()
+        if manifest.fingerprint_algorithm(straight[s]) == manifest.fingerprint_algorithm(resumed[s])
+    )
     found = Evidence(straight, resumed, stops, steps)
     before = [s for s in steps if s <= stops[0]]
     if before:
@@ -140,8 +143,11 @@ def _at(step: int, last_equal: int | None, what: str, ev: Evidence) -> Cause:
     stop = stops[before - 1]
     after = f"after the {ordinal(before)} resume, from step {stop}"
     lineage = ev.resumed[step].get("lineage", [])
-    reset = [f"reset {sorted(r)} at the resume from step {s}"
-             for s, r in resets(lineage) if s in stops[:before]]  # fmt: skip
+    reset = [
+        f"reset {sorted(r)} at the resume from step {s}"
+        for s, r in resets(lineage)
+        if s in stops[:before]
+    ]
     also = f" (the resumed run restored with {'; '.join(reset)})" if reset else ""
     if last_equal is not None and last_equal == stop:
         return Cause(
@@ -227,13 +233,19 @@ def rng_notes(a: Doc, b: Doc, *, metrics_identical: bool, ev: Evidence | None = 
     changed = [(r, g) for r, g in changed if (r, g) not in unseeded]
     if not changed:
         return notes
-    reset = [e for e in b.get("lineage", []) if e.get("event") == "resume"
-             and "rng" in (e.get("reset") or [])]  # fmt: skip
+    reset = [
+        e
+        for e in b.get("lineage", [])
+        if e.get("event") == "resume" and "rng" in (e.get("reset") or [])
+    ]
     if reset:
         names = ", ".join(label(r, g, ws) for r, g in changed)
-        return [*notes, f"final RNG state differs ({names}): the resumed run restored "
-                f"with reset={{'rng'}} at step {reset[-1].get('from_step')}, so its "
-                "generators started fresh instead of continuing"]  # fmt: skip
+        return [
+            *notes,
+            f"final RNG state differs ({names}): the resumed run restored "
+            f"with reset={{'rng'}} at step {reset[-1].get('from_step')}, so its "
+            "generators started fresh instead of continuing",
+        ]
     consequence = (
         "harmless only if nothing that matters draws from it later"
         if metrics_identical

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..format import bitwise
-from .series import Series
+from ..format.series import Series
 
 MISSING = "plots need matplotlib, which is not installed: pip install 'unbroken[plot]'"
 _STYLES = ["-", "--", ":", "-."]
@@ -133,14 +133,28 @@ def _metric_panels(axes, names, runs: Mapping[str, Series], marks: list[Mark]) -
 def _marks(ax, marks: list[Mark]) -> None:
     colors = {"stop": "tab:red", "first difference": "tab:purple"}
     for label, step in marks:
-        ax.axvline(step, color=colors.get(label, "tab:red"), linewidth=1.0, linestyle="--",
-                   label=f"{label} ({step})")  # fmt: skip
+        ax.axvline(
+            step,
+            color=colors.get(label, "tab:red"),
+            linewidth=1.0,
+            linestyle="--",
+            label=f"{label} ({step})",
+        )
 
 
 def _label_line(ax, x: float, text: str, color: str) -> None:
-    ax.annotate(text, xy=(x, 1.0), xycoords=("data", "axes fraction"), xytext=(3, -3),
-                textcoords="offset points", rotation=90, va="top", ha="left", fontsize=7,
-                color=color)  # fmt: skip
+    ax.annotate(
+        text,
+        xy=(x, 1.0),
+        xycoords=("data", "axes fraction"),
+        xytext=(3, -3),
+        textcoords="offset points",
+        rotation=90,
+        va="top",
+        ha="left",
+        fontsize=7,
+        color=color,
+    )
 
 
 def _difference_panel(ax, names, straight: Series, resumed: Series, marks: list[Mark]) -> None:
@@ -155,8 +169,15 @@ def _difference_panel(ax, names, straight: Series, resumed: Series, marks: list[
         # The scale's linear range: the smallest nonzero magnitude (sameness is by bits).
         smallest = min([smallest, *(abs(d) for d in diffs if abs(d) > 0.0 and math.isfinite(d))])
         if steps:
-            ax.plot(steps, diffs, _STYLES[i % len(_STYLES)], marker=".", markersize=3,
-                    linewidth=1.2, label=name)  # fmt: skip
+            ax.plot(
+                steps,
+                diffs,
+                _STYLES[i % len(_STYLES)],
+                marker=".",
+                markersize=3,
+                linewidth=1.2,
+                label=name,
+            )
     # Linear within the smallest difference seen, logarithmic beyond: a 1e-7 difference
     # right after the stop and a 1.0 difference later are both visible, and zero is zero.
     linthresh = smallest if math.isfinite(smallest) else 1.0
@@ -165,8 +186,15 @@ def _difference_panel(ax, names, straight: Series, resumed: Series, marks: list[
     _marks(ax, marks)
     if identical:
         ax.set_ylim(-1.0, 1.0)
-        ax.text(0.5, 0.75, "no difference: every value identical", transform=ax.transAxes,
-                ha="center", fontsize=9, color="tab:green")  # fmt: skip
+        ax.text(
+            0.5,
+            0.75,
+            "no difference: every value identical",
+            transform=ax.transAxes,
+            ha="center",
+            fontsize=9,
+            color="tab:green",
+        )
     ax.set_ylabel("resumed - straight\n(symlog)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")

@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from ..format import bitwise, manifest
+from ..format.series import Series, read_series, record_lines
 from ..format.state_compare import compare_state
 from ..storage.interface import Location
 from ..storage.locate import checkpoint_dir
 from . import resume_lineage
 from .divergence import evidence, likely_cause, rng_notes
 from .generators import differing, label
-from .series import Series, read_series, record_lines
 
 
 @dataclasses.dataclass
@@ -68,17 +68,22 @@ class ResumeTestResult:
             self.stops = [self.stop_at]
         if not self.verdict:
             self.verdict = (
-                "NOT RESUMED" if not self.resumed
-                else "IDENTICAL" if self.passed and self.exact
-                else "CLOSE" if self.passed else "DIFFERENT"
-            )  # fmt: skip
+                "NOT RESUMED"
+                if not self.resumed
+                else "IDENTICAL"
+                if self.passed and self.exact
+                else "CLOSE"
+                if self.passed
+                else "DIFFERENT"
+            )
 
     def __str__(self) -> str:
         how = "" if self.exact else "resumed with another command; "
         where = (
-            f"stopped at step {self.stop_at}" if len(self.stops) == 1
+            f"stopped at step {self.stop_at}"
+            if len(self.stops) == 1
             else f"stopped and resumed at steps {', '.join(map(str, self.stops))}"
-        )  # fmt: skip
+        )
         lines = [
             f"resume test: {self.verdict} ({where}, {how}compared {self.compared_steps} "
             f"steps after {'it' if len(self.stops) == 1 else 'the first'}, metrics: "
@@ -161,9 +166,15 @@ def stop_steps(stop_at: int | Sequence[int]) -> list[int]:
     return stops
 
 
-def compare(straight: Location | Path, resumed: Location | Path, *,
-            stop_at: int | Sequence[int], exact: bool = True, tolerance: float = 0.05,
-            checkpoints: Mapping[int, dict[str, Any]] | None = None) -> ResumeTestResult:  # fmt: skip
+def compare(
+    straight: Location | Path,
+    resumed: Location | Path,
+    *,
+    stop_at: int | Sequence[int],
+    exact: bool = True,
+    tolerance: float = 0.05,
+    checkpoints: Mapping[int, dict[str, Any]] | None = None,
+) -> ResumeTestResult:
     """Compare two finished runs: the resumed run's lineage (it restored each step of
     ``stop_at`` in turn), the metrics after the first stop, the whole final state.
 
@@ -261,8 +272,12 @@ def _manifests(folder: Location | Path) -> dict[int, dict[str, Any]]:
     return {step: manifest.read(ckdir.step_path(step)) for step in ckdir.steps()}
 
 
-def _not_resumed(stops: list[int], kept: Mapping[int, dict[str, Any]],
-                 final: dict[str, Any] | None, record: list[str] | None) -> tuple[str | None, str | None]:  # fmt: skip
+def _not_resumed(
+    stops: list[int],
+    kept: Mapping[int, dict[str, Any]],
+    final: dict[str, Any] | None,
+    record: list[str] | None,
+) -> tuple[str | None, str | None]:
     """(what the resumed runs did instead of restoring each stop in turn, or None; a
     note when the last resume's restore is read from the metrics record)."""
     if final is None:
@@ -288,8 +303,11 @@ def _not_resumed(stops: list[int], kept: Mapping[int, dict[str, Any]],
     return _first_problem(stops, checks, recorded), None
 
 
-def _first_problem(stops: list[int], checks: list[tuple[int, int, dict[str, Any]]],
-                   recorded: tuple[bool, Any] = (False, None)) -> str | None:  # fmt: skip
+def _first_problem(
+    stops: list[int],
+    checks: list[tuple[int, int, dict[str, Any]]],
+    recorded: tuple[bool, Any] = (False, None),
+) -> str | None:
     for i, step, doc in checks:
         said = recorded if i == len(stops) else (False, None)  # the record is the last run's
         found = resume_lineage.problem(stops, i, step, doc.get("lineage", []), said)

@@ -39,12 +39,20 @@ def resumes(lineage: Sequence[Mapping[str, Any]]) -> list[Any]:
 
 def resets(lineage: Sequence[Mapping[str, Any]]) -> list[tuple[Any, list[str]]]:
     """(step restored, components started fresh) of each resume that reset some."""
-    return [(e.get("from_step"), list(e.get("reset") or [])) for e in lineage
-            if e.get("event") == "resume" and e.get("reset")]  # fmt: skip
+    return [
+        (e.get("from_step"), list(e.get("reset") or []))
+        for e in lineage
+        if e.get("event") == "resume" and e.get("reset")
+    ]
 
 
-def problem(stops: Sequence[int], i: int, step: int, lineage: Sequence[Mapping[str, Any]],
-            recorded: tuple[bool, Any] = (False, None)) -> str | None:  # fmt: skip
+def problem(
+    stops: Sequence[int],
+    i: int,
+    step: int,
+    lineage: Sequence[Mapping[str, Any]],
+    recorded: tuple[bool, Any] = (False, None),
+) -> str | None:
     """Why the checkpoint that the ``i``-th resume (1-based) committed last, of ``step``,
     does not show it continuing from ``stops[i - 1]``; None when its lineage shows resumes
     from ``stops[:i]`` in turn. ``recorded``: :func:`recorded_resume` of the run's metrics

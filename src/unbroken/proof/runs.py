@@ -34,8 +34,7 @@ class RunFailed(CheckpointError):
     """A training run of the harness exited with an error."""
 
 
-def run(command: Command, folder: Location, env: dict[str, str], log: Path,
-        timeout) -> None:  # fmt: skip
+def run(command: Command, folder: Location, env: dict[str, str], log: Path, timeout) -> None:
     """Run one training run with ``{dir}`` = ``folder`` (a local folder, or a URL)."""
     if not folder.remote:
         folder.mkdir(parents=True, exist_ok=True)
@@ -97,8 +96,9 @@ def _run_callable(fn, folder: str, env: dict[str, str], log: Path, timeout) -> N
 def _timed_out(what: str, timeout: float, log: Path) -> str:
     """The one-line error of a run killed at its timeout (also noted in its log)."""
     with open(log, "a", encoding="utf-8") as out:
-        out.write(f"\n[unbroken] timed out after {timeout:g}s: killed with every process it "
-                  "started\n")  # fmt: skip
+        out.write(
+            f"\n[unbroken] timed out after {timeout:g}s: killed with every process it started\n"
+        )
     return (
         f"the {log.stem} run timed out after {timeout:g}s and was killed with every process "
         f"it started: {what}; log: {log}"

@@ -210,8 +210,10 @@ def diff(
     rng = []
     if "rng" in summaries and summaries["rng"].status not in ("skipped", "only_a", "only_b"):
         ws = doc_b["world_size"]
-        rng = [GeneratorDiff(r, g, label(r, g, ws), "differs" if d else "same")
-               for (r, g), d in differing(doc_a, doc_b).items()]  # fmt: skip
+        rng = [
+            GeneratorDiff(r, g, label(r, g, ws), "differs" if d else "same")
+            for (r, g), d in differing(doc_a, doc_b).items()
+        ]
     return DiffReport(_meta(a, doc_a), _meta(b, doc_b), rows, list(summaries.values()), rng)
 
 

@@ -61,13 +61,18 @@ class OptimizerCoverage(JsonResult):
     def failures(self) -> list[str]:
         """What makes the checkpoint unsound: state that fits no parameter or group, shapes
         that differ, unlisted tensors."""
-        out = [f"optimizer state for {f!r}, which is not a model parameter (FQNs orphaned)"
-               for f in self.not_in_model]  # fmt: skip
-        out += [f"optimizer state for {f!r} belongs to no param group"
-                for f in self.state_without_group]  # fmt: skip
+        out = [
+            f"optimizer state for {f!r}, which is not a model parameter (FQNs orphaned)"
+            for f in self.not_in_model
+        ]
+        out += [
+            f"optimizer state for {f!r} belongs to no param group" for f in self.state_without_group
+        ]
         out += self.shape_mismatches
-        out += [f"optimizer state references tensor {k!r}, which the manifest does not list"
-                for k in self.missing_tensors]  # fmt: skip
+        out += [
+            f"optimizer state references tensor {k!r}, which the manifest does not list"
+            for k in self.missing_tensors
+        ]
         return out
 
     @property
@@ -76,8 +81,11 @@ class OptimizerCoverage(JsonResult):
         trainable parameters no optimizer trains (an EMA or averaged copy, a tower left
         untrained), and floating-point tensors in no param group (buffers, frozen
         parameters)."""
-        out = [f"parameter {f!r} is in a param group but has no optimizer state (expected "
-               "only if it never received a gradient)" for f in self.no_state]  # fmt: skip
+        out = [
+            f"parameter {f!r} is in a param group but has no optimizer state (expected "
+            "only if it never received a gradient)"
+            for f in self.no_state
+        ]
         if self.unoptimized_parameters:
             shown = self.unoptimized_parameters
             out.append(

@@ -41,20 +41,38 @@ _FILE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 _CLASSES: dict[tuple[str, str], Any] = {
     **{
         (md.__name__, c.__name__): c
-        for c in (md.Metadata, md.StorageMeta, md.TensorStorageMetadata,
-                  md.BytesStorageMetadata, md.ChunkStorageMetadata, md.TensorProperties,
-                  md.MetadataIndex, md._MEM_FORMAT_ENCODING)
+        for c in (
+            md.Metadata,
+            md.StorageMeta,
+            md.TensorStorageMetadata,
+            md.BytesStorageMetadata,
+            md.ChunkStorageMetadata,
+            md.TensorProperties,
+            md.MetadataIndex,
+            md._MEM_FORMAT_ENCODING,
+        )
     },
     (filesystem.__name__, "_StorageInfo"): filesystem._StorageInfo,
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
-    **{("pathlib", c.__name__): c for c in (pathlib.Path, pathlib.PosixPath, pathlib.WindowsPath,
-                                            pathlib.PurePosixPath, pathlib.PureWindowsPath)},
+    **{
+        ("pathlib", c.__name__): c
+        for c in (
+            pathlib.Path,
+            pathlib.PosixPath,
+            pathlib.WindowsPath,
+            pathlib.PurePosixPath,
+            pathlib.PureWindowsPath,
+        )
+    },
     ("collections", "OrderedDict"): OrderedDict,
     **{("builtins", c.__name__): c for c in (set, frozenset, tuple, list, dict)},
-    **{("torch", n): v for n, v in vars(torch).items()
-       if isinstance(v, torch.dtype | torch.layout | torch.memory_format)},
-}  # fmt: skip
+    **{
+        ("torch", n): v
+        for n, v in vars(torch).items()
+        if isinstance(v, torch.dtype | torch.layout | torch.memory_format)
+    },
+}
 TRUST = (
     "Pass --trust-pickle (trust_pickle=True) only if you trust where it came from: it "
     "reads with plain pickle, which can run code"

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
-from ..core.saving import unwrap
+from ..core.collective import unwrap
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
 from . import dcp_metadata
 

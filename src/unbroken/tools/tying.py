@@ -58,8 +58,9 @@ def tied_weights(doc: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def confirm(doc: dict[str, Any], ties: dict[str, str],
-            read: Callable[[str], torch.Tensor]) -> dict[str, str]:  # fmt: skip
+def confirm(
+    doc: dict[str, Any], ties: dict[str, str], read: Callable[[str], torch.Tensor]
+) -> dict[str, str]:
     """The ties whose two tensors have the same bytes and are not constant.
 
     Reads two tensors at a time (``read`` takes a manifest key).

@@ -4,7 +4,7 @@ A :class:`RunRecord` owns, for the Checkpointer that holds it:
 
 - the metrics record (:class:`.metrics.MetricLog`): rank 0 appends each tracked step to
   ``metrics.jsonl`` (on an object store: objects under ``metrics/``) once the folder is
-  shown to be this run's (the ``gate``: ``core/ownership.py``; until then the lines wait
+  shown to be this run's (the ``gate``: ``run/ownership.py``; until then the lines wait
   in memory), and the last :data:`METRICS_WINDOW` steps go into each checkpoint's
   manifest;
 - after a resume, the replay check (:mod:`.replay_check`): the steps the earlier run had

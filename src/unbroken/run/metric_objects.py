@@ -15,7 +15,7 @@ process killed outright loses at most that much of its record. An upload that fa
 retried with everything tracked since, so nothing is lost or reordered while the store
 is down.
 
-An upload first asks ``permit`` (the Checkpointer's gate, ``core/ownership.py``): until
+An upload first asks ``permit`` (the Checkpointer's gate, ``run/ownership.py``): until
 the prefix is shown to be this run's (no other run committed there since it started or
 restored: one listing per upload; or a save of its own committed) the lines wait.
 """

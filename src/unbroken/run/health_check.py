@@ -36,7 +36,7 @@ from .optimizer_watch import OptimizerWatch
 # measurement (python benchmarks/health_check.py).
 HORIZON = 50  # tracked steps after a resume the check watches, at most
 HISTORY = 200  # steps before the resume, at most, that are the reference (a checkpoint
-# keeps the last 200: run_record.METRICS_WINDOW)
+# keeps the last 200: record.METRICS_WINDOW)
 MIN_BEFORE = 20  # steps of saved window needed to judge the metrics at all
 LEVEL = 10  # steps whose median is the level before a point
 NOISE = 50  # steps whose step-to-step differences give the noise before a point
@@ -158,7 +158,7 @@ class HealthCheck:
 
     Args:
         window: step -> tracked metrics, as restored (steps up to ``resumed_from`` are
-            the reference; a checkpoint keeps the last ``run_record.METRICS_WINDOW``).
+            the reference; a checkpoint keeps the last ``record.METRICS_WINDOW``).
         resumed_from: the step the run resumed from.
         loss: the name of the tracked loss.
         grad_norm: the name of the tracked gradient norm, or None.

@@ -8,7 +8,7 @@ it resumed from, the segment that saved that checkpoint, and the world size), th
 line per tracked step; health-check warnings and the replay check's verdict have lines
 of their own.
 
-One run's record never mixes into another's (``core/ownership.py`` decides, through a
+One run's record never mixes into another's (``run/ownership.py`` decides, through a
 :class:`RecordGate`): a Checkpointer's lines wait in memory until it has shown that the
 folder is its own (it holds the run lock and no other run committed since it started
 or restored, or one of its saves committed); a save refused because another run
@@ -34,10 +34,10 @@ from typing import Any, Protocol
 import torch
 
 from ..errors import CheckpointError
+from ..format.series import FILE, from_json, record_name
 from ..storage.interface import Location
 from ..storage.posix import free_space, no_link_opener, writing
 from .metric_objects import ObjectLog
-from .series import FILE, from_json, record_name
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def _step_line(segment: str, step: int, values: dict[str, float]) -> str:
 
 
 class RecordGate(Protocol):
-    """Whether a Checkpointer may write to its folder's record (``core/ownership.py``)."""
+    """Whether a Checkpointer may write to its folder's record (``run/ownership.py``)."""
 
     def may_record(self, *, can_list: bool) -> bool | None:
         """True: write now; None: keep the lines in memory; False: the folder is lost."""

@@ -23,7 +23,7 @@ a Checkpointer writes its tracked steps as it tracks them once it holds the fold
 lock (local folders: ``CheckpointDir.run_lock``, held until ``close()``) and no other
 run has committed since its baseline, or once one of its saves committed; until then
 they wait in memory. A Checkpointer whose save was refused has lost the folder: its
-record takes no more steps (see ``proof/metrics.py``).
+record takes no more steps (see ``run/metrics.py``).
 
 Limits: an object store has no locks, so there a Checkpointer that has not committed
 yet writes its record whenever no other run has committed since its baseline (asked at

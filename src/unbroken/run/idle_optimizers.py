@@ -126,9 +126,12 @@ class IdleOptimizers:
             return
         skeleton = (doc.get("components", {}).get(self._model[0]) or {}).get("state")
         self.committed(
-            doc["step"], {self._model[0]: skeleton}, doc.get("tensors", {}), self.counts(),
+            doc["step"],
+            {self._model[0]: skeleton},
+            doc.get("tensors", {}),
+            self.counts(),
             str(doc.get("fingerprint_algorithm")),
-        )  # fmt: skip
+        )
 
     def close(self) -> None:
         """Remove the step hooks."""

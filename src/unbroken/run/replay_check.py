@@ -19,14 +19,18 @@ from typing import Any
 
 from ..errors import CheckpointError
 from ..format import bitwise
+from ..format.series import is_withdrawn, parsed, record_lines, record_name, retractions
 from ..storage.interface import Location
-from .series import is_withdrawn, parsed, record_lines, record_name, retractions
 
 logger = logging.getLogger(__name__)
 
 PENDING, IDENTICAL, DIFFERENT, SKIPPED, NONE = (
-    "pending", "identical", "different", "skipped", "none"
-)  # fmt: skip
+    "pending",
+    "identical",
+    "different",
+    "skipped",
+    "none",
+)
 
 
 @dataclasses.dataclass

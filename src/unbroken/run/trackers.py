@@ -30,13 +30,13 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from ..core import collective
 from ..errors import CheckpointError
+from ..format.series import is_withdrawn, parsed, record_lines, retractions
 from ..storage.interface import Location
 from .metrics import as_float
 from .replay_check import PENDING, ReplayVerdict
-from .series import is_withdrawn, parsed, record_lines, retractions
 
 if TYPE_CHECKING:
-    from .run_record import RunRecord
+    from .record import RunRecord
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def check_trackers(trackers: Iterable[Any] | None) -> list[Tracker]:
             raise TypeError(
                 f"trackers[{i}] ({type(tracker).__name__}) has no method "
                 f"{', '.join(missing)}: a tracker implements start, log, verdict and close "
-                "(unbroken.proof.trackers.Tracker)"
+                "(unbroken.run.trackers.Tracker)"
             )
     return found
 
@@ -178,8 +178,11 @@ def _call(tracker: Tracker, method: str, *args: Any) -> bool:
         logger.warning(
             "tracker %s failed in %s() (%s: %s); it gets nothing more from this "
             "Checkpointer (training and checkpoints go on)",
-            type(tracker).__name__, method, type(exc).__name__, exc,
-        )  # fmt: skip
+            type(tracker).__name__,
+            method,
+            type(exc).__name__,
+            exc,
+        )
         return False
 
 
@@ -194,8 +197,11 @@ def tracked_upto(root: Location, resume_step: int) -> int:
     try:
         records = parsed(record_lines(root) or [])
     except (OSError, ValueError, CheckpointError) as exc:
-        logger.warning("cannot read the metrics record of %s (%s): trackers get every "
-                       "recomputed step", root, exc)  # fmt: skip
+        logger.warning(
+            "cannot read the metrics record of %s (%s): trackers get every recomputed step",
+            root,
+            exc,
+        )
         return resume_step
     withdrawn = retractions(records)
     last = resume_step

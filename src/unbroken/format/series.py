@@ -18,9 +18,9 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from ..run.metric_objects import object_lines
 from ..storage.interface import Location
 from ..storage.locate import location
-from .metric_objects import object_lines
 
 FILE = "metrics.jsonl"
 
