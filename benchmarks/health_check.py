@@ -30,9 +30,9 @@ import health_report
 import unbroken as ub
 from health_scripts import BUGS, SCRIPTS, Progress, Script
 from report import HEALTH, add_options, publish
-from unbroken.proof import health_check as monitor
-from unbroken.proof.health_check import HORIZON, JUDGED, HealthCheck
-from unbroken.proof.run_record import METRICS_WINDOW
+from unbroken.run import health_check as monitor
+from unbroken.run.health_check import HORIZON, JUDGED, HealthCheck
+from unbroken.run.record import METRICS_WINDOW
 
 FIRST_CUT = 10  # the first cut point measured: below it a window hardly exists
 # Seeds measured: the monitor's constants were chosen on seeds 0, 2 and 3, never on these.

@@ -130,7 +130,7 @@ def kill(mode: str, rng: random.Random) -> str | None:
 
 
 def two_jobs(rng: random.Random) -> str | None:
-    from unbroken.core.ownership import FolderClaim
+    from unbroken.run.ownership import FolderClaim
 
     url = _url()
     first, _ = _fresh(url)
