@@ -35,7 +35,7 @@ from ..storage.interface import CheckpointDir, Location
 from ..storage.posix import free_space
 from . import collective, verify
 from .idle_optimizers import IdleOptimizers
-from .ownership import FolderClaim
+from .ownership import FolderClaim, other_writer
 from .staging import StagingBuffers, settle
 
 logger = logging.getLogger(__name__)
@@ -284,7 +284,13 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
         assert gathered is not None
         body = _manifest_body(request, staged, writer, gathered)
         data = manifest.encode(partial, body)
-        final = ckdir.commit(partial, request.step, retire=request.retire, manifest=data)
+        final = ckdir.commit(
+            partial,
+            request.step,
+            retire=request.retire,
+            manifest=data,
+            other_writer=lambda old: other_writer(old, request.lineage),
+        )
         if request.claim is not None:
             request.claim.committed(request.step)
         if request.idle is not None:

@@ -4,8 +4,10 @@
   ``StorePath`` on a store). Format code reads and writes tensor bytes and manifests
   through it and never asks which one it holds.
 - :class:`CheckpointDir`: the root folder of one run: committed steps, partial saves,
-  the commit, retention, leftovers (``LocalCheckpointDir``: commit by rename under a save
-  lock; ``StoreCheckpointDir``: a create-only manifest write, no rename, no lock).
+  the commit, retention, leftovers. One implementation, ``run_folder.RunFolder``: the
+  run-folder policy written once over a medium (``backend.py``: a disk commits by
+  rename under a save lock; an object store by a create-only manifest write, no rename,
+  no lock).
 
 ``unbroken.storage.locate`` chooses the implementation for a path or URL.
 """
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 Identity = tuple[int, int, int]
@@ -62,6 +64,12 @@ class Location(Protocol):
     """
 
     remote: bool  # on an object store: every read is a request with a latency
+
+    saves_in_place: bool
+    """Whether a save writes its files straight into the step folder (an object store,
+    where nothing can be renamed into place): a step folder may then hold files of saves
+    that never committed (losing or crashed ones), which are not the checkpoint's and
+    no damage; on a disk a step folder is one save's, renamed into place whole."""
 
     @property
     def name(self) -> str: ...
@@ -153,7 +161,13 @@ class CheckpointDir(Protocol):
     """
 
     root: Location
-    remote: bool
+
+    @property
+    def has_locks(self) -> bool:
+        """Whether the folder has a save lock and a run lock (a disk). Without them (an
+        object store) the create-only manifest write decides between two saves, and a
+        run lock is never held."""
+        ...
 
     def step_path(self, step: int) -> Location:
         """Where step ``step``'s committed checkpoint is (or would be)."""
@@ -181,7 +195,8 @@ class CheckpointDir(Protocol):
         ...
 
     def listdir(self) -> list[str]:
-        """The names in the root folder (``FileNotFoundError`` if there is none)."""
+        """The names in the root folder, sorted (``FileNotFoundError`` if there is none:
+        on a store, no object under the prefix)."""
         ...
 
     def is_folder(self, name: str) -> bool: ...
@@ -213,10 +228,21 @@ class CheckpointDir(Protocol):
         ...
 
     def commit(
-        self, partial: Location, step: int, *, retire: Sequence[int] = (), manifest: bytes = b""
+        self,
+        partial: Location,
+        step: int,
+        *,
+        retire: Sequence[int] = (),
+        manifest: bytes = b"",
+        other_writer: Callable[[bytes], str | None] | None = None,
     ) -> Location:
         """Write ``manifest`` last and make ``partial`` the committed checkpoint of
         ``step``, retiring the ``retire`` steps first (put back if the commit fails).
+
+        ``other_writer``: given the manifest bytes of a copy of ``step`` committed there
+        already (empty if unreadable), None if this save may replace it, else who
+        committed it (for the error); None: any copy is replaced. Storage never reads
+        what a manifest says beyond the files it lists: the caller owns that rule.
         Raises ``CheckpointError`` having committed nothing."""
         ...
 

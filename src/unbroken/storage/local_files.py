@@ -71,6 +71,7 @@ class LocalPath(pathlib.PosixPath):
     plays the ``Location`` role (``unbroken.storage.interface``)."""
 
     remote = False
+    saves_in_place = False
 
     def is_link(self) -> bool:
         return self.is_symlink()

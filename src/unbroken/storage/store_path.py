@@ -4,7 +4,7 @@ a key under a store's URL.
 An object store has no links, no sparse files and no folders of its own (a "folder" is a
 key prefix), so the rules a local disk needs reduce to: a listed object is there, of its
 recorded size. Objects under a step that its manifest does not list are no damage: they
-are a crashed or losing save's uploads, which a later save removes (``store_dir.py``).
+are a crashed or losing save's uploads, which a later save removes (``store_medium.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ class StorePath:
 
     __slots__ = ("key", "store", "tag")
     remote = True
+    saves_in_place = True
 
     def __init__(self, store: Store, key: str, tag: str | None = None) -> None:
         self.store = store
@@ -154,7 +155,7 @@ class StorePath:
             raise TooLarge(str(self), None if info is None else info["size"])
         return data
 
-    # -- a committed checkpoint's folder as a whole (``store_dir.py``) -------------------
+    # -- a committed checkpoint's folder as a whole (``store_medium.py``) ----------------
 
     def manifest_bytes(self) -> bytes | None:
         """The bytes of this folder's manifest, or None if it has none."""
