@@ -32,7 +32,6 @@ from ..live.components import rank_prefix
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, StatefulComponent, device_kind
 from ..storage.interface import CheckpointDir, Location
-from ..storage.posix import free_space
 from . import collective, verify
 from .idle_optimizers import IdleOptimizers
 from .ownership import FolderClaim, other_writer
@@ -389,7 +388,7 @@ def unwrap(exc: CheckpointException, doing: str, path: Location | None = None) -
         if isinstance(inner, CheckpointError):
             return type(inner)(f"{where}{inner}")
         if isinstance(inner, OSError) and inner.errno == errno.ENOSPC:
-            free = f", {free_space(path)} free there" if path is not None else ""
+            free = f", {path.free_space()} free there" if path is not None else ""
             return CheckpointError(
                 f"{where}{doing} failed: the disk is full ({inner}{free}). The partial save "
                 "was removed and earlier checkpoints are untouched; free space (or lower "

@@ -24,7 +24,6 @@ from ..env import env_number
 from ..errors import CorruptCheckpointError
 from ..storage.interface import Location
 from ..storage.locate import location
-from ..storage.store_io import concurrency
 from . import host_ring
 from .shards import ChunkLocation, checksum, metadata_from_entries
 from .tensor_reader import REREADS, reread
@@ -211,8 +210,9 @@ class ShardReader(StorageReader):
             target = planner.resolve_tensor(req).detach()
             if uses[req.storage_index] == 1 and self._fits_whole(req, target):
                 whole[i] = target
-        if self.directory.remote:
-            workers = concurrency()
+        requests = self.directory.chunk_requests
+        if requests is not None:  # every read a request with a latency: one per chunk
+            workers = requests
             groups = [[i] for i in whole]
         else:
             by_file: dict[str, list[int]] = {}

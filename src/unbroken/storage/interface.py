@@ -1,15 +1,16 @@
-"""The two roles storage plays, each with a local-disk and an object-store implementation.
+"""The roles storage plays for the rest of the library: the public seam of ``storage/``.
 
 - :class:`Location`: one folder or file of a checkpoint (``LocalPath`` on a disk,
   ``StorePath`` on a store). Format code reads and writes tensor bytes and manifests
-  through it and never asks which one it holds.
+  through it; where the media differ, a member says what the caller needs (how many
+  files a shard is written as, whether written buffers are kept, how reads are issued,
+  where a local output goes), never which medium it is.
 - :class:`CheckpointDir`: the root folder of one run: committed steps, partial saves,
   the commit, retention, leftovers. One implementation, ``run_folder.RunFolder``: the
-  run-folder policy written once over a medium (``backend.py``: a disk commits by
-  rename under a save lock; an object store by a create-only manifest write, no rename,
-  no lock).
+  run-folder policy written once over a medium (``backend.py``).
+- :class:`RunLock`: a run's hold on its folder while it records there.
 
-``unbroken.storage.locate`` chooses the implementation for a path or URL.
+``unbroken.storage.locate`` builds them for a path or URL.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 Identity = tuple[int, int, int]
@@ -63,13 +65,17 @@ class Location(Protocol):
     Thread-safe: each call stands alone (a :class:`ChunkReader` is one thread's).
     """
 
-    remote: bool  # on an object store: every read is a request with a latency
+    remote: bool  # on an object store (the metrics record's format still asks)
 
     saves_in_place: bool
     """Whether a save writes its files straight into the step folder (an object store,
     where nothing can be renamed into place): a step folder may then hold files of saves
     that never committed (losing or crashed ones), which are not the checkpoint's and
     no damage; on a disk a step folder is one save's, renamed into place whole."""
+
+    keeps_written_buffers: bool
+    """Whether :meth:`create`'s sink keeps the buffers it is given until its block ends
+    (an upload), so that a reused buffer must never be written to it."""
 
     @property
     def name(self) -> str: ...
@@ -134,6 +140,39 @@ class Location(Protocol):
         """Write this new file: its bytes go to the sink in order; it is durable (fsynced,
         or uploaded whole) once the block ends, and never appears in part on a store.
         Raises ``CheckpointError`` naming the path (on a disk, the free space too)."""
+        ...
+
+    def files_per_shard(self, wanted: int) -> int:
+        """How many files one rank's shard is written as in this folder, ``wanted`` if
+        the medium gains from files written side by side (a disk); 1 where one object
+        is uploaded in parallel parts anyway (a store)."""
+        ...
+
+    @property
+    def chunk_requests(self) -> int | None:
+        """How many reads of single chunks to keep in flight where every read is a
+        request with a latency (an object store); None where a file is best read in
+        runs of consecutive chunks (a disk)."""
+        ...
+
+    def free_space(self) -> str:
+        """Free space where this is, readable (``"1.5 MiB"``); ``"unknown"`` where it
+        cannot be told (a store)."""
+        ...
+
+    def is_empty(self) -> bool:
+        """Whether nothing is there: no such folder, or one without entries (on a store:
+        no object under the prefix). A file is not empty."""
+        ...
+
+    def make_dirs(self) -> None:
+        """Make this folder, and those above it, where the medium has folders (a disk); a
+        store needs none (a prefix exists once an object is under it)."""
+        ...
+
+    def local_file(self, name: str) -> Path:
+        """Where a local file made from this folder goes by default (a plot, a report):
+        ``name`` inside it on a disk; in the current folder for a store's URL."""
         ...
 
 

@@ -12,12 +12,14 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError
 from .interface import FileStat, Identity, TooLarge
 from .names import MANIFEST
 from .store import Store
+from .store_io import concurrency
 
 
 class _ObjectChunks:
@@ -55,6 +57,7 @@ class StorePath:
     __slots__ = ("key", "store", "tag")
     remote = True
     saves_in_place = True
+    keeps_written_buffers = True
 
     def __init__(self, store: Store, key: str, tag: str | None = None) -> None:
         self.store = store
@@ -142,9 +145,11 @@ class StorePath:
             if name not in present:
                 found.append((name, f"{self / name} is missing"))
             elif present[name].size != rec["size"]:
-                found.append((name, f"{self / name} is {present[name].size} bytes, the "
-                                    f"manifest says {rec['size']}: it was truncated or "
-                                    "altered"))  # fmt: skip
+                why = (
+                    f"{self / name} is {present[name].size} bytes, the manifest says "
+                    f"{rec['size']}: it was truncated or altered"
+                )
+                found.append((name, why))
         return found
 
     def read_capped(self, limit: int) -> bytes:
@@ -154,6 +159,27 @@ class StorePath:
             info = self.store.info(self.key)
             raise TooLarge(str(self), None if info is None else info["size"])
         return data
+
+    # -- what callers need where media differ (``interface.Location``) --------------------
+
+    def files_per_shard(self, wanted: int) -> int:
+        return 1  # one object, uploaded in parallel parts
+
+    @property
+    def chunk_requests(self) -> int:
+        return concurrency()
+
+    def free_space(self) -> str:
+        return "unknown"
+
+    def is_empty(self) -> bool:
+        return not self.exists()
+
+    def make_dirs(self) -> None:
+        pass  # a prefix exists once an object is under it
+
+    def local_file(self, name: str) -> Path:
+        return Path(name)  # a URL is not a local folder: the current one
 
     # -- a committed checkpoint's folder as a whole (``store_medium.py``) ----------------
 
