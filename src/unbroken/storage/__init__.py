@@ -2,7 +2,7 @@
 
 The public seam, the only modules the rest of the library imports from here:
 
-- ``interface``: the roles (``Location``, ``CheckpointDir``, ``RunLock``);
+- ``interface``: the roles (``Location``, ``Journal``, ``CheckpointDir``, ``RunLock``);
 - ``locate``: a path or URL to its ``Location`` or run folder;
 - ``names``: the names inside a run folder, the same on every medium.
 

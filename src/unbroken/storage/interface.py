@@ -5,6 +5,8 @@
   through it; where the media differ, a member says what the caller needs (how many
   files a shard is written as, whether written buffers are kept, how reads are issued,
   where a local output goes), never which medium it is.
+- :class:`Journal`: an append-only record of lines in a run folder (the tracked-metrics
+  record), from :meth:`Location.journal`.
 - :class:`CheckpointDir`: the root folder of one run: committed steps, partial saves,
   the commit, retention, leftovers. One implementation, ``run_folder.RunFolder``: the
   run-folder policy written once over a medium (``backend.py``).
@@ -59,13 +61,54 @@ class FileSink(Protocol):
     def write(self, data: memoryview | bytes) -> Any: ...
 
 
+class Journal(Protocol):
+    """An append-only record of text lines kept in a run folder (the tracked-metrics
+    record): a file appended to on a disk; on an object store, which cannot append,
+    objects whose names keep the order. ``str()`` says where it is, for messages.
+
+    Thread-safe: one writer appends and syncs, in order, while others read.
+    """
+
+    @property
+    def write_interval(self) -> float | None:
+        """None where an append is cheap (a disk): append every line as it comes. Where
+        every append is a request (a store), the seconds a writer gathers lines in memory
+        between appends, made in the background and never in the caller's loop
+        (``UNBROKEN_STORE_METRICS_S``, default 30)."""
+        ...
+
+    def append(self, text: str) -> None:
+        """Add ``text`` (whole lines) at the end of the record.
+
+        Raises:
+            OSError: it failed on a disk (a ``WriteError``, also a ``CheckpointError``,
+                naming the file and the free space). Part of ``text`` may have been
+                written: the next append starts on a new line, so readers skip the
+                fragment. Append it again (with what follows).
+            CheckpointError: it failed on a store (naming the object), or the record's
+                path is a symbolic link (never written through).
+        """
+        ...
+
+    def sync(self) -> None:
+        """Make everything appended durable (fsync on a disk; an append to a store is
+        durable when it returns). Raises like :meth:`append`."""
+        ...
+
+    def lines(self) -> list[str] | None:
+        """The record's lines in the order appended; None if nothing was ever recorded."""
+        ...
+
+    def close(self) -> None:
+        """Let go of what is open (a file); a later append opens it again."""
+        ...
+
+
 class Location(Protocol):
     """A folder or a file of a checkpoint: ``/`` joins, ``str()`` is its path or URL.
 
     Thread-safe: each call stands alone (a :class:`ChunkReader` is one thread's).
     """
-
-    remote: bool  # on an object store (the metrics record's format still asks)
 
     saves_in_place: bool
     """Whether a save writes its files straight into the step folder (an object store,
@@ -173,6 +216,11 @@ class Location(Protocol):
     def local_file(self, name: str) -> Path:
         """Where a local file made from this folder goes by default (a plot, a report):
         ``name`` inside it on a disk; in the current folder for a store's URL."""
+        ...
+
+    def journal(self, name: str) -> Journal:
+        """The append-only record ``name`` of this folder: the file ``name.jsonl`` on a
+        disk, the objects under ``name/`` on a store. Nothing is read or written yet."""
         ...
 
 
