@@ -253,7 +253,9 @@ class RunFolder:
         try:
             data = self._backend.read(final / MANIFEST)
         except OSError:
-            data = None
+            return b""
+        if data is None and not self._backend.holds(final):
+            return None  # removed meanwhile (another job's retention)
         return b"" if data is None else data
 
     def _refuse_other(
