@@ -213,7 +213,8 @@ class StoreMedium:
         return found
 
     def remove_leftovers(self, names: Sequence[str]) -> list[str]:
-        self.store.delete([(self.root / name).key for name in names])
+        if names:
+            self.store.delete([(self.root / name).key for name in names])
         return [*names, *self.store.abort_stale_uploads(self.root.key, stale_after())]
 
 
