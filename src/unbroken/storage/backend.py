@@ -32,7 +32,7 @@ from .interface import Location, RunLock
 
 class Medium(Protocol):
     """Where one run folder's files are, and the few operations the policy performs on
-    them: list, read, move, delete, lock. Paths are :class:`Location`\\ s under
+    them: list, read, move, delete, lock. Every path is a ``Location`` under
     :attr:`root`. Thread-safe for one saver and any number of readers."""
 
     root: Location
