@@ -47,7 +47,7 @@ CHILD = textwrap.dedent(
     import os, random, sys, threading
     import torch
     import unbroken as ub
-    from unbroken.storage import store_dir
+    from unbroken.storage import store_medium
 
     url, mode, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
     torch.manual_seed(0)
@@ -66,7 +66,7 @@ CHILD = textwrap.dedent(
     ckpt.save(1)
     ckpt.wait()
     if mode == "resave":  # die between moving step 1 aside and committing its new copy
-        store_dir.StoreCheckpointDir._put_manifest = lambda *a: os._exit(9)
+        store_medium.StoreMedium._put_manifest = lambda *a: os._exit(9)
         step()
         ckpt.save(1)
         os._exit(3)

@@ -160,7 +160,7 @@ TIMED_WORK = [
     (PLANNER, "DefaultSavePlanner.create_global_plan", "save, rank 0: DCP's global plan"),
     ("unbroken.core.saving", "_manifest_body", "save, rank 0: manifest built"),
     ("unbroken.format.manifest", "encode", "save, rank 0: manifest encoded"),
-    ("unbroken.storage.local_dir", "LocalCheckpointDir.commit", "save, rank 0: manifest written"),
+    ("unbroken.storage.run_folder", "RunFolder.commit", "save, rank 0: manifest written"),
     ("unbroken.core.resuming", "check_folder", "restore, rank 0: manifest read and checked"),
     ("unbroken.format.shard_reader", "metadata_from_entries",
      "restore, each rank: DCP metadata from the manifest"),

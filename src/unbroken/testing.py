@@ -80,8 +80,8 @@ def resume_test(
     base = location(work if store is None else store)
     straight, resumed = base / "straight", base / "resumed"
     for d in (straight, resumed):
-        if d.exists() and (d.remote or any(d.iterdir())):
-            what = "store prefix" if d.remote else "workdir"
+        if not d.is_empty():
+            what = "workdir" if store is None else "store prefix"
             raise ValueError(f"{d} is not empty: give resume_test a fresh {what}")
     base_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != STOP_AT_ENV}
     first_runs = [

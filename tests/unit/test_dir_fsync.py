@@ -9,7 +9,7 @@ import os
 import torch
 
 import unbroken as ub
-from unbroken.storage import local_dir
+from unbroken.storage import local_medium
 
 
 def test_a_save_into_a_new_run_folder_fsyncs_every_new_entry(tmp_path, monkeypatch):
@@ -17,13 +17,13 @@ def test_a_save_into_a_new_run_folder_fsyncs_every_new_entry(tmp_path, monkeypat
     its parent were never fsynced, so a power loss could lose a committed checkpoint or
     the whole run folder on such a file system."""
     synced: list[str] = []
-    real = local_dir.fsync_dir
+    real = local_medium.fsync_dir
 
     def spy(path):
         synced.append(os.fspath(path))
         real(path)
 
-    monkeypatch.setattr(local_dir, "fsync_dir", spy)
+    monkeypatch.setattr(local_medium, "fsync_dir", spy)
     run = tmp_path / "new" / "run"
     ckpt = ub.Checkpointer(run, model=torch.nn.Linear(4, 4))
     ckpt.save(3)

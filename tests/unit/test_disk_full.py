@@ -21,7 +21,7 @@ import unbroken as ub
 from conftest import Problem, assert_same_training_state
 from unbroken.format.series import FILE as METRICS
 from unbroken.format.series import read_series
-from unbroken.storage import local_dir
+from unbroken.storage import local_medium
 
 FULL = OSError(errno.ENOSPC, "No space left on device")
 
@@ -48,7 +48,7 @@ class DiskFull:
         self.root, self.at, self.match, self.count, self.hit = root, at, match, 0, ""
         real_open, real_os_open, real_fsync = builtins.open, os.open, os.fsync
         real_mkdir, real_rename = os.mkdir, os.rename
-        exchanges = local_dir.posix  # the atomic exchange of a re-save
+        exchanges = local_medium.posix  # the atomic exchange of a re-save
 
         def fail(path) -> None:
             if not _under(root, path):

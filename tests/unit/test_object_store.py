@@ -1,6 +1,6 @@
 """Checkpoints on an object store, through fsspec's in-process ``memory://`` file system.
 
-Fast unit tests of the remote back-end's commit protocol (storage/store_dir.py): the
+Fast unit tests of the remote back-end's commit protocol (storage/store_medium.py): the
 manifest is written last and only a step with a manifest is listed; a save that fails
 before its manifest leaves nothing listed and removes its own objects; two saves of
 one step cannot both commit; retention unlists (manifest first) before deleting; damage
@@ -19,7 +19,7 @@ import torch
 
 import unbroken as ub
 from conftest import Problem, assert_same_training_state
-from unbroken.storage import store_dir, store_io
+from unbroken.storage import store_io, store_medium
 from unbroken.storage.locate import checkpoint_dir
 
 
@@ -59,7 +59,7 @@ def test_layout_manifest_and_save_named_shard(url):
     _trained().checkpointer(url).save(2)
     names = _objects(url)
     assert names[0] == "step_00000002/manifest.json"
-    assert len(names) == 2 and store_dir.shard_save_id(names[1].split("/")[1]) is not None
+    assert len(names) == 2 and store_medium.shard_save_id(names[1].split("/")[1]) is not None
 
 
 def test_failed_commit_lists_nothing_and_removes_its_objects(url, monkeypatch):
@@ -73,7 +73,7 @@ def test_failed_commit_lists_nothing_and_removes_its_objects(url, monkeypatch):
     def refuse(self, final, step, data):
         raise ub.CheckpointError("injected: the manifest write failed")
 
-    monkeypatch.setattr(store_dir.StoreCheckpointDir, "_put_manifest", refuse)
+    monkeypatch.setattr(store_medium.StoreMedium, "_put_manifest", refuse)
     with pytest.raises(ub.CheckpointError, match="injected"):
         ckpt.save(2)
     assert ckpt.steps() == [1]
@@ -91,7 +91,7 @@ def test_upload_without_manifest_is_never_listed_and_cleaned_when_stale(url, mon
     ckdir = checkpoint_dir(url)
     assert ckdir.steps() == [1] and ckdir.steps_without_manifest() == []
     assert ckdir.clean_leftovers() == []  # young: maybe a save still uploading
-    monkeypatch.setenv(store_dir.STALE_ENV, "0")
+    monkeypatch.setenv(store_medium.STALE_ENV, "0")
     removed = ckdir.clean_leftovers()
     assert sorted(removed) == [
         "step_00000001/rank_00000-ba9876543210.bin",
@@ -111,15 +111,15 @@ def test_two_saves_of_one_step_cannot_both_commit(url, monkeypatch):
     ckpt_w.save(1)
     ckpt_l = loser.checkpointer(url)
     ckpt_l.restore(reset={"model", "optimizer", "scheduler", "rng"})  # takes the prefix over
-    real = store_dir.StoreCheckpointDir._put_manifest
+    real = store_medium.StoreMedium._put_manifest
 
     def race(self, final, step, data):  # the winner commits step 2 first
-        monkeypatch.setattr(store_dir.StoreCheckpointDir, "_put_manifest", real)
+        monkeypatch.setattr(store_medium.StoreMedium, "_put_manifest", real)
         winner.step()
         ckpt_w.save(2)
         return real(self, final, step, data)
 
-    monkeypatch.setattr(store_dir.StoreCheckpointDir, "_put_manifest", race)
+    monkeypatch.setattr(store_medium.StoreMedium, "_put_manifest", race)
     with pytest.raises(ub.CheckpointError, match="another save committed step 2"):
         ckpt_l.save(2)
     step2 = [n for n in _objects(url) if n.startswith("step_00000002/")]

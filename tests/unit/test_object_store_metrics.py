@@ -1,4 +1,4 @@
-"""The tracked-metrics record on an object store (run/metric_objects.py), on ``memory://``.
+"""The tracked-metrics record on an object store (a journal, storage/store_path.py), on ``memory://``.
 
 A store cannot append, so the record is a series of objects under ``PREFIX/metrics/``.
 These tests hold it to what ``metrics.jsonl`` gives locally: the replay check compares
@@ -141,7 +141,7 @@ def test_background_upload_after_the_interval(url, monkeypatch):
     ckpt = p.checkpointer(url)
     try:
         ckpt.track(1, loss=p.step())
-        ckpt._run.record._log._objects._background.join(10)
+        ckpt._run.record._log._background.join(10)
         assert read_series(url).steps("loss") == [1]
     finally:
         ckpt.close()
@@ -151,9 +151,9 @@ def test_uploads_fill_one_object_until_it_is_full(url, monkeypatch):
     """Frequent uploads (every save, every interval) do not leave an object each: the
     object being filled is rewritten until it holds CHUNK_BYTES, then a new one starts,
     so a long run's record stays a few objects to list and read, in order."""
-    from unbroken.run import metric_objects
+    from unbroken.storage import store_path
 
-    monkeypatch.setattr(metric_objects, "CHUNK_BYTES", 600)
+    monkeypatch.setattr(store_path, "CHUNK_BYTES", 600)
     p = Problem()
     with p.checkpointer(url) as ckpt:
         for step in range(1, 13):

@@ -19,7 +19,7 @@ import torch
 
 import unbroken as ub
 from s3_server import FaultProxy, S3Server
-from unbroken.storage.locate import checkpoint_dir
+from unbroken.storage.locate import checkpoint_dir, location
 
 TESTS = str(Path(__file__).resolve().parents[1])
 
@@ -189,7 +189,7 @@ def test_conditional_write_refuses_a_second_commit(server, s3):
     second one), so two saves of one step cannot both commit on S3."""
     a = Big(0)
     a.checkpointer(s3).save(1)
-    store = checkpoint_dir(s3).store
+    store = location(s3).store
     key = s3.removeprefix("s3://") + "/step_00000001/manifest.json"
     with pytest.raises(FileExistsError):
         store.put(key, b"{}", create=True)

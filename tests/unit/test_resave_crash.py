@@ -20,7 +20,7 @@ CHILD = textwrap.dedent(
     import os, sys
     sys.path.insert(0, {tests!r})
     from conftest import Problem
-    from unbroken.storage import local_dir
+    from unbroken.storage import local_medium
 
     folder, when, at, exchange = {folder!r}, {when!r}, {at!r}, {exchange!r}
     p = Problem(seed=1)
@@ -43,9 +43,9 @@ CHILD = textwrap.dedent(
             return result
         return call
 
-    local_dir.os.rename = dying(os.rename)
-    real = local_dir.posix.exchange  # the atomic exchange of a re-save
-    local_dir.posix.exchange = dying(real) if exchange else (lambda a, b: False)
+    local_medium.os.rename = dying(os.rename)
+    real = local_medium.posix.exchange  # the atomic exchange of a re-save
+    local_medium.posix.exchange = dying(real) if exchange else (lambda a, b: False)
     ckpt.save(2)
     os._exit(0)  # the kill point was never reached
     """

@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     import os, sys
     import torch
     import unbroken as ub
-    from unbroken.storage import local_dir, posix, store_dir
+    from unbroken.storage import local_medium, posix, store_medium
 
     url, where = sys.argv[1], sys.argv[2]
     torch.manual_seed(0)
@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent(
     with torch.no_grad():
         model.weight.add_(1)
     if where == "store":
-        store_dir.StoreCheckpointDir._put_manifest = lambda *a: os._exit(9)
+        store_medium.StoreMedium._put_manifest = lambda *a: os._exit(9)
     else:
         posix.exchange = lambda a, b: False  # the old copy waits aside (.replaced-*)
         rename = os.rename
@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent(
                 os._exit(9)
             rename(src, dst)
 
-        local_dir.os.rename = dying
+        local_medium.os.rename = dying
     ckpt.save(5)
     sys.exit(3)  # not killed: the test's hook missed
     """
@@ -103,7 +103,7 @@ def test_a_restore_putting_back_during_a_live_re_save_does_not_fail_it(monkeypat
     """Guards the put-back against breaking a re-save still running: a restore that finds
     the step unlisted mid-commit puts the old copy back (create-only); the re-save sets it
     aside again and commits its new copy."""
-    from unbroken.storage import store_dir
+    from unbroken.storage import store_medium
 
     url = f"memory://ub-resave/{uuid.uuid4().hex[:8]}/run"
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def test_a_restore_putting_back_during_a_live_re_save_does_not_fail_it(monkeypat
     ckpt.save(5)
     with torch.no_grad():
         model.weight.add_(1)
-    real, reader = store_dir.StoreCheckpointDir._put_manifest, []
+    real, reader = store_medium.StoreMedium._put_manifest, []
 
     def racing(self, final, step, data):
         if not reader:  # a reader's restore() runs between the move aside and the commit
@@ -121,9 +121,9 @@ def test_a_restore_putting_back_during_a_live_re_save_does_not_fail_it(monkeypat
             assert checkpoint_dir(url).steps() == [5]  # the old copy is back
         return real(self, final, step, data)
 
-    monkeypatch.setattr(store_dir.StoreCheckpointDir, "_put_manifest", racing)
+    monkeypatch.setattr(store_medium.StoreMedium, "_put_manifest", racing)
     ckpt.save(5)
-    monkeypatch.setattr(store_dir.StoreCheckpointDir, "_put_manifest", real)
+    monkeypatch.setattr(store_medium.StoreMedium, "_put_manifest", real)
     torch.manual_seed(1)
     fresh = torch.nn.Linear(8, 8)
     assert ub.Checkpointer(url, model=fresh).restore().step == 5

@@ -74,7 +74,7 @@ def test_a_failed_append_is_retried_and_never_tears_the_series(ckpt_dir, monkeyp
     lines are written by the next append, after a newline that ends any torn line."""
     ckpt = Problem().checkpointer(ckpt_dir)
     ckpt.track(1, loss=1.0)
-    real = ckpt._run.record._log._file.write
+    real = ckpt._run.record._log._journal._file.write
     calls = []
 
     def full_disk(text):
@@ -82,7 +82,7 @@ def test_a_failed_append_is_retried_and_never_tears_the_series(ckpt_dir, monkeyp
         real(text[:7])  # half a line reached the file
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ckpt._run.record._log._file, "write", full_disk)
+    monkeypatch.setattr(ckpt._run.record._log._journal._file, "write", full_disk)
     ckpt.track(2, loss=2.0)  # no error here
     assert calls
     ckpt.track(3, loss=3.0)  # a fresh file handle: written

@@ -48,7 +48,7 @@ def plot_command(
                 "(call ckpt.track(step, loss=...) in the training loop)"
             )
         series = series_from_lines(lines)
-        target = out or (Path("metrics.png") if where.remote else where / "metrics.png")
+        target = out or where.local_file("metrics.png")
         try:
             plot_series({where.name or str(where): series}, target, title=f"{where}")
         except ImportError as exc:  # matplotlib is an optional extra

@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import CheckpointError
 from ..storage.interface import Location
-from ..storage.posix import free_space
 
 T = TypeVar("T")
 _local = threading.local()
@@ -332,7 +331,7 @@ def unwrap(exc: CheckpointException, doing: str, path: Location | None = None) -
         if isinstance(inner, CheckpointError):
             return type(inner)(f"{where}{inner}")
         if isinstance(inner, OSError) and inner.errno == errno.ENOSPC:
-            free = f", {free_space(path)} free there" if path is not None else ""
+            free = f", {path.free_space()} free there" if path is not None else ""
             return CheckpointError(
                 f"{where}{doing} failed: the disk is full ({inner}{free}). The partial save "
                 "was removed and earlier checkpoints are untouched; free space (or lower "

@@ -306,7 +306,7 @@ def lost_manifests(ckdir: CheckpointDir) -> list[str]:
 
 def _entries(ckdir: CheckpointDir) -> list[str] | None:
     try:
-        return ckdir.listdir() or (None if ckdir.remote else [])
+        return ckdir.listdir()  # none there (on a store: no object): FileNotFoundError
     except FileNotFoundError:
         return None
     except NotADirectoryError:

@@ -47,6 +47,11 @@ class RunHooks(Protocol):
         happen (another run committed into the folder)."""
         ...
 
+    def other_writer(self, committed: bytes) -> str | None:
+        """At the commit, the step found committed already (its manifest's bytes): who
+        wrote it (for the refusal), or None if it is this run's and may be replaced."""
+        ...
+
     def findings(
         self, skeletons: Mapping[str, Any], tensors: Mapping[str, Any], algorithm: str
     ) -> list[str]:
@@ -299,8 +304,14 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
         assert gathered is not None
         body = _manifest_body(request, staged, writer, gathered)
         data = manifest.encode(partial, body)
-        retire = request.run.retire if request.run is not None else []
-        final = ckdir.commit(partial, request.step, retire=retire, manifest=data)
+        run = request.run
+        final = ckdir.commit(
+            partial,
+            request.step,
+            retire=run.retire if run is not None else [],
+            manifest=data,
+            other_writer=run.other_writer if run is not None else None,
+        )
         if request.run is not None:
             request.run.committed(
                 request.step, staged.skeletons, body["tensors"], body["fingerprint_algorithm"]

@@ -325,10 +325,9 @@ def _read_bounded(path: Location, directory: Location) -> bytes:
     except TooLarge as exc:
         if exc.size is None:
             raise CorruptCheckpointError(f"{path} grew while it was read; it is damaged") from None
-        files = "object(s) of" if directory.remote else "file(s) taking"
         raise CorruptCheckpointError(
             f"{path} is {exc.size} bytes, more than a checkpoint of {count} shard "
-            f"{files} {held} bytes can need ({limit}); it was not parsed: the "
+            f"file(s) of {held} bytes can need ({limit}); it was not parsed: the "
             "checkpoint is damaged or hostile"
         ) from None
 

@@ -1,7 +1,8 @@
 """A run's metrics record read back as one series of each tracked metric.
 
-The lines (:func:`record_lines`: ``metrics.jsonl`` in a local folder, the objects under
-``metrics/`` on a store; written by :mod:`.metrics`) are replayed in order: a segment that
+The lines (:func:`record_lines`: the run folder's journal ``metrics``, which is
+``metrics.jsonl`` in a local folder and the objects under ``metrics/`` on a store;
+written by :mod:`.metrics`) are replayed in order: a segment that
 resumed from step R drops every later step of the timelines before it, and a replayed
 step replaces the old value, so the series has no duplicates and follows the timeline
 that survived. Lines of another run never count: a ``retracted`` line withdraws its
@@ -18,11 +19,11 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from ..run.metric_objects import object_lines
 from ..storage.interface import Location
 from ..storage.locate import location
 
-FILE = "metrics.jsonl"
+RECORD = "metrics"  # the run folder's journal of tracked metrics
+FILE = "metrics.jsonl"  # what that journal is in a local folder
 
 
 def from_json(x: float | str) -> float:
@@ -45,19 +46,12 @@ class Series:
 def record_lines(root: str | os.PathLike | Location) -> list[str] | None:
     """The lines of a run's metrics record, in the order tracked: ``metrics.jsonl`` in a
     local folder, the ``metrics/`` objects on a store; None if nothing was recorded."""
-    where = location(root)
-    if where.remote:
-        return object_lines(where)
-    path = where / FILE
-    if not path.is_file():
-        return None
-    return path.read_text(encoding="utf-8", errors="replace").splitlines()
+    return location(root).journal(RECORD).lines()
 
 
 def record_name(root: str | os.PathLike | Location) -> str:
     """Where a run's metrics record is, for messages."""
-    where = location(root)
-    return f"{where}/metrics/" if where.remote else str(where / FILE)
+    return str(location(root).journal(RECORD))
 
 
 def read_series(root: str | os.PathLike | Location) -> Series:

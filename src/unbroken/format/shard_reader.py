@@ -24,7 +24,6 @@ from ..env import env_number
 from ..errors import CorruptCheckpointError
 from ..storage.interface import Location
 from ..storage.locate import location
-from ..storage.store_io import concurrency
 from . import host_ring
 from .shards import ChunkLocation, checksum, metadata_from_entries
 from .tensor_reader import REREADS, reread
@@ -211,8 +210,9 @@ class ShardReader(StorageReader):
             target = planner.resolve_tensor(req).detach()
             if uses[req.storage_index] == 1 and self._fits_whole(req, target):
                 whole[i] = target
-        if self.directory.remote:
-            workers = concurrency()
+        requests = self.directory.chunk_requests
+        if requests is not None:  # every read a request with a latency: one per chunk
+            workers = requests
             groups = [[i] for i in whole]
         else:
             by_file: dict[str, list[int]] = {}
@@ -222,10 +222,12 @@ class ShardReader(StorageReader):
             if limit < 2:
                 return {}
             groups = _runs(
-                [[(i, self._location(items[i].storage_index).length) for i in run]
-                 for run in by_file.values()],
+                [
+                    [(i, self._location(items[i].storage_index).length) for i in run]
+                    for run in by_file.values()
+                ],
                 limit,
-            )  # fmt: skip
+            )
             if len(groups) < 2:
                 return {}
             workers = len(groups)
@@ -325,8 +327,9 @@ class ShardReader(StorageReader):
         try:
             got = self._reader(loc, *files).read_into(at, buf)
         except FileNotFoundError:
-            raise CorruptCheckpointError(f"{path} is missing; this checkpoint cannot be "
-                                         "restored, use an older step") from None  # fmt: skip
+            raise CorruptCheckpointError(
+                f"{path} is missing; this checkpoint cannot be restored, use an older step"
+            ) from None
         except OSError as exc:  # no permission, an I/O error: as unusable as missing
             raise CorruptCheckpointError(
                 f"{path} cannot be read ({exc.strerror or exc}); this checkpoint cannot be "

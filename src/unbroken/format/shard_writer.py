@@ -68,8 +68,8 @@ class ShardWriter(StorageWriter):
     it. Locally a large shard is split into up to ``files`` files written in parallel
     (``rank_NNNNN.bin``, ``rank_NNNNN.1.bin``, ...): on the disks measured, two files
     written side by side finish sooner than one (docs/benchmarks.md). On an object store
-    (``directory.remote``) the one object is uploaded in parallel parts straight from the
-    tensors' memory.
+    (``directory.files_per_shard`` is 1) the one object is uploaded in parallel parts
+    straight from the tensors' memory.
 
     After ``dcp.save`` returns, the coordinator's ``metadata`` holds every chunk's
     location across ranks and ``file_records`` (on each rank) this rank's files.
@@ -113,7 +113,7 @@ class ShardWriter(StorageWriter):
                 )
         if self.on_plan is not None:
             self.on_plan([i.index.fqn for i in plan.items if i.type == WriteItemType.TENSOR])
-        groups = [plan.items] if self.directory.remote else _split(plan.items, self.files)
+        groups = _split(plan.items, self.directory.files_per_shard(self.files))
         if len(groups) == 1:
             results = self._write_file(self.name, groups[0], planner)
         else:
@@ -137,9 +137,9 @@ class ShardWriter(StorageWriter):
             rings: dict[torch.device, host_ring.HostRing] = {}  # one per device, this file's
             for item in items:
                 t = planner.resolve_data(item)
-                if not self.directory.remote and host_ring.through_ring(t):
+                if not self.directory.keeps_written_buffers and host_ring.through_ring(t):
                     # An object store keeps the bytes it is given until the upload ends:
-                    # only a local file takes pieces of a reused buffer.
+                    # only a sink that copies them at once takes pieces of a reused buffer.
                     if t.device not in rings:
                         rings[t.device] = stack.enter_context(host_ring.borrow(t.device))
                     size, digest = _write_pieces(out, rings[t.device].download(t))

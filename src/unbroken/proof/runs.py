@@ -36,8 +36,7 @@ class RunFailed(CheckpointError):
 
 def run(command: Command, folder: Location, env: dict[str, str], log: Path, timeout) -> None:
     """Run one training run with ``{dir}`` = ``folder`` (a local folder, or a URL)."""
-    if not folder.remote:
-        folder.mkdir(parents=True, exist_ok=True)
+    folder.make_dirs()
     if callable(command):
         _run_callable(command, str(folder), env, log, timeout)
         return

@@ -1,14 +1,20 @@
 """Tracked metrics: kept in memory and appended to the run's record as tracked (read
 back as one series by :mod:`.series`).
 
-Rank 0 appends to ``DIR/metrics.jsonl`` as it tracks (fsynced at every save and at
-``close()``; on an object store the same lines go into objects under ``PREFIX/metrics/``,
-see :mod:`.metric_objects`): a segment header when a Checkpointer starts (with the step
-it resumed from, the segment that saved that checkpoint, and the world size), then one
-line per tracked step; health-check warnings and the replay check's verdict have lines
-of their own.
+Rank 0 appends to the run folder's journal (``Location.journal``: ``DIR/metrics.jsonl``
+on a disk, objects under ``PREFIX/metrics/`` on a store): a segment header when a
+Checkpointer starts (with the step it resumed from, the segment that saved that
+checkpoint, and the world size), then one line per tracked step; health-check warnings
+and the replay check's verdict have lines of their own. Where an append is cheap (a
+disk) every line is appended as it is tracked and synced (fsync) at every save and at
+``close()``; where every append is a request (a store) the lines wait in memory and go
+at every save (at its commit, for a background save), at ``close()``, at interpreter
+exit, and from a background thread once the journal's write interval has passed since
+the last write (``UNBROKEN_STORE_METRICS_S``, default 30 s), so a process killed
+outright loses at most that much. A write that fails is retried with everything tracked
+since, so nothing is lost or reordered.
 
-One run's record never mixes into another's (``run/ownership.py`` decides, through a
+One run's record never mixes into another's (``core/ownership.py`` decides, through a
 :class:`RecordGate`): a Checkpointer's lines wait in memory until it has shown that the
 folder is its own (it holds the run lock and no other run committed since it started
 or restored, or one of its saves committed); a save refused because another run
@@ -21,23 +27,21 @@ started with ``overwrite=True``) begins the series anew.
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import json
 import logging
 import math
-import os
 import threading
 import time
 import uuid
+import weakref
 from typing import Any, Protocol
 
 import torch
 
 from ..errors import CheckpointError
-from ..format.series import FILE, from_json, record_name
+from ..format.series import RECORD, from_json
 from ..storage.interface import Location
-from ..storage.posix import free_space, no_link_opener, writing
-from .metric_objects import ObjectLog
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +78,7 @@ def _step_line(segment: str, step: int, values: dict[str, float]) -> str:
 
 
 class RecordGate(Protocol):
-    """Whether a Checkpointer may write to its folder's record (``run/ownership.py``)."""
+    """Whether a Checkpointer may write to its folder's record (``core/ownership.py``)."""
 
     def may_record(self, *, can_list: bool) -> bool | None:
         """True: write now; None: keep the lines in memory; False: the folder is lost."""
@@ -98,15 +102,17 @@ class RecordGate(Protocol):
 class MetricLog:
     """The tracked metrics of one Checkpointer (one segment of a run).
 
-    With a ``root`` (rank 0's log), every tracked step is appended to
-    ``root/metrics.jsonl`` as it is tracked: one buffered line and a flush, no fsync, so
-    a crash of the process loses nothing tracked (a power loss may lose what the OS had
-    not written yet); :meth:`flush`, at each save and at close, fsyncs. Without a root
-    (the other ranks) the values stay in memory. A root on an object store keeps the
-    lines in memory until :meth:`flush` uploads them (see :mod:`.metric_objects`).
-    With a ``gate``, lines reach the record only when it allows (module docstring);
-    ``replaces``: the segment replaces the run recorded before (``overwrite=True``).
-    Thread-safe: a background save may flush while the training loop tracks.
+    With a ``root`` (rank 0's log), every tracked step goes to the journal ``metrics`` of
+    ``root`` (``Location.journal``): as it is tracked where appending is cheap (one
+    buffered line and a flush, no fsync: a crash of the process loses nothing tracked, a
+    power loss what the OS had not written yet), else in batches (module docstring);
+    :meth:`flush`, at each save and at close, writes what waits and syncs. Without a root
+    (the other ranks) the values stay in memory. With a ``gate``, lines reach the record
+    only when it allows (module docstring); ``replaces``: the segment replaces the run
+    recorded before (``overwrite=True``).
+
+    Thread-safe: a background save may flush while the training loop tracks; the
+    training loop never waits for a request to a store or for an fsync.
     """
 
     def __init__(
@@ -122,21 +128,21 @@ class MetricLog:
         self.resumed_from: int | None = None
         self.parent: str | None = None  # the segment that saved the checkpoint resumed
         self.world_size = world_size
-        self._root = root
-        self._file: Any = None
-        self._unwritten: list[dict[str, Any] | str] = []  # lines a failed write left behind
-        self._torn = False  # a failed write may have left half a line in the file
+        self._journal = None if root is None else root.journal(RECORD)
+        self._queued: list[dict[str, Any] | str] = []  # lines not in the record yet
         self._header_queued = False
         self._gate = gate
         self._replaces = replaces
         self._revoked = False  # the folder was lost: nothing more is recorded
-        self._emitted = False  # lines of this segment reached the record
-        self._objects = None
-        if root is not None and root.remote:
-            permit = None if gate is None else (lambda: gate.may_record(can_list=True))
-            self._objects = ObjectLog(root, self.segment, permit=permit)
-        # track() runs in the training loop while a background save may flush.
-        self._lock = threading.Lock()
+        self._emitted = False  # lines of this segment were (or may have been) written
+        self._failing = False  # the last write failed (warned once per failing stretch)
+        self._lock = threading.Lock()  # the queue and the state above
+        self._write_lock = threading.Lock()  # one write at a time, in order
+        self._background: threading.Thread | None = None
+        self._last_write = time.monotonic()
+        self._warned_background = False
+        if self._journal is not None and self._journal.write_interval is not None:
+            _register_exit(self)
 
     def note(self, step: int, warning: str) -> None:
         """Keep a health-check warning with the series."""
@@ -147,7 +153,7 @@ class MetricLog:
             raise TypeError(f"step must be an int, got {step!r}")
         values = {k: as_float(k, v) for k, v in metrics.items()}
         self.values[step] = values
-        if self._root is not None:
+        if self._journal is not None:
             self.append(_step_line(self.segment, step, values))
 
     def window(self, upto: int, size: int) -> list[dict[str, Any]]:
@@ -172,22 +178,33 @@ class MetricLog:
         self.parent = parent
 
     def append(self, line: dict[str, Any] | str) -> None:
-        """Append one line (a dict, or its JSON) now (rank 0); an I/O error is logged and
-        the line written with the next one."""
-        if self._root is None:
+        """Add one line (a dict, or its JSON) to the record (rank 0): now where appending
+        is cheap, else with the next batch. A failed write is logged, not raised (the
+        training loop calls this), and retried with the next line or flush."""
+        if self._journal is None:
             return
         with self._lock:
-            try:
-                self._write(line)
-            except OSError as exc:
-                if not self._torn:
-                    logger.warning("cannot append to %s (%s; %s free there); retried with the "
-                                   "next line", self._root / FILE, exc,
-                                   free_space(self._root))  # fmt: skip
-                self._drop_file()
+            if self._revoked:
+                return
+            if not self._header_queued:
+                self._header_queued = True
+                self._queued.append(self._header())
+            self._queued.append(line)
+            if self._journal.write_interval is not None:
+                # Batched: only whether the folder is lost is asked here (no listing).
+                if self._gate is not None and self._gate.may_record(can_list=False) is False:
+                    self._revoke()
+                self._start_background_if_due()
+                return
+        try:
+            self._write_queued(can_list=False)
+        except OSError as exc:  # a full disk: the lines stay queued
+            if not self._failing:
+                logger.warning("%s", exc)
+            self._failing = True
 
     def flush(self, *, strict: bool = True) -> None:
-        """Write what a failed append left behind and fsync the file (rank 0 only).
+        """Write what waits, then make the record durable (fsync; rank 0 only).
 
         Args:
             strict: raise if that fails. ``save()`` passes False: its checkpoint is
@@ -195,162 +212,182 @@ class MetricLog:
                 so a failure is a logged warning instead; the lines stay queued and are
                 written by the next append or flush.
         Raises:
-            CheckpointError: (strict) naming the file and the free space.
+            CheckpointError: (strict) naming the record (on a disk, the free space).
         """
-        if self._root is None:
+        if self._journal is None:
             return
         if self._gate is not None and self._gate.lost is not None:
             with self._lock:
                 self._revoke()
-        if self._objects is not None:
-            try:
-                self._objects.upload()
-            except CheckpointError as exc:
-                if strict:
-                    raise
-                logger.warning("%s (the checkpoint itself is committed; the tracked steps "
-                               "stay queued for the next upload)", exc)  # fmt: skip
-            return
-        path = self._root / FILE
+        with self._lock:
+            if not self._header_queued:
+                return  # nothing tracked: no record
         try:
-            with writing(path, "writing", "free space: the tracked steps not on disk yet stay "
-                         "queued and are written by the next append or flush"):  # fmt: skip
-                with self._lock:
-                    if not self._header_queued:
-                        return  # nothing tracked: no file
-                    try:
-                        if self._unwritten or self._file is None:
-                            self._write(None)
-                        if self._file is None:
-                            return  # held in memory, or revoked: nothing of ours to sync
-                        fd = os.dup(self._file.fileno())
-                    except OSError:
-                        self._drop_file()
-                        raise
-                try:
-                    os.fsync(fd)  # outside the lock: track() need not wait for the disk
-                finally:
-                    os.close(fd)
+            self._write_queued(can_list=True)
+            self._journal.sync()
         except CheckpointError as exc:
             if strict:
                 raise
-            logger.warning("%s (the checkpoint itself is committed)", exc)
+            logger.warning(
+                "%s (the checkpoint itself is committed; the tracked steps not written "
+                "stay queued for the next write)",
+                exc,
+            )
 
     def drop_held(self) -> None:
         """At the end (``close()``): lines still waiting for the gate are dropped, with
         a warning naming how many and why (this Checkpointer never showed that the
         folder is its own: another one holds it, or another run committed there)."""
-        if self._root is None or self._gate is None:
+        if self._journal is None or self._gate is None:
             return
         with self._lock:
-            held = _step_count(self._unwritten)
-            self._unwritten = []
-        if self._objects is not None:
-            held += self._objects.drop_pending()
+            held = _step_count(self._queued)
+            self._queued = []
         if held:
             logger.warning(
                 "%d tracked step(s) of this Checkpointer were not recorded in %s: it "
                 "committed no checkpoint there, and the folder is not shown to be its own "
                 "(its run lock is held by %s, or another run committed there since it "
                 "started); two Checkpointers on one folder record one run only",
-                held, record_name(self._root), self._gate.holder(),
-            )  # fmt: skip
+                held,
+                self._journal,
+                self._gate.holder(),
+            )
 
     def close(self) -> None:
-        with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+        if self._journal is not None:
+            self._journal.close()
 
-    def _write(self, line: dict[str, Any] | str | None) -> None:
-        if self._revoked:
-            return
-        if not self._header_queued:
-            self._header_queued = True
-            header = {
-                "segment": self.segment,
-                "resumed_from": self.resumed_from,
-                "parent": self.parent,
-                "world_size": self.world_size,
-                "time": time.time(),
-            }
-            if self._replaces:
-                header["replaces"] = True
-            self._unwritten.append(header)
-        if line is not None:
-            self._unwritten.append(line)
-        allowed = True if self._gate is None else self._gate.may_record(can_list=False)
-        if allowed is False:
-            self._revoke()
-            return
-        if self._objects is not None:  # uploads ask the gate again (listing the folder)
-            self._objects.write(self._joined(), self.segment)
-            self._unwritten = []
-            self._emitted = True
-            return
-        if allowed is None:
-            return  # held until the folder is shown to be this run's
-        if self._file is None:
-            assert self._root is not None
-            self._root.mkdir(parents=True, exist_ok=True)
-            self._file = self._open()
-        # After a failed write, a newline ends any torn line (readers skip the fragment).
-        text = ("\n" if self._torn else "") + self._joined()
-        self._file.write(text)
-        self._file.flush()
-        self._unwritten = []
-        self._torn = False
-        self._emitted = True
+    def pending(self) -> bool:
+        """Whether lines wait to be written."""
+        with self._lock:
+            return bool(self._queued)
+
+    def _write_queued(self, *, can_list: bool) -> None:
+        """Write what is queued, if the gate allows (``can_list``: a listing is
+        affordable now). One writer at a time, in order; a failed write leaves the lines
+        queued, ahead of those tracked since. Raises what the journal raises."""
+        assert self._journal is not None
+        with self._write_lock:
+            allowed: bool | None = True
+            if self._gate is not None and not self._revoked:
+                # Outside _lock: on a store the gate may list the folder (a request).
+                allowed = self._gate.may_record(can_list=can_list)
+            with self._lock:
+                if allowed is False:
+                    self._revoke()
+                if not self._revoked and allowed is not True:
+                    return  # held until the folder is shown to be this run's
+                taken, self._queued = self._queued, []
+                revoked = self._revoked
+                if taken:
+                    self._emitted = True
+                self._last_write = time.monotonic()
+            if not taken:
+                return
+            try:
+                self._journal.append(_joined(taken))
+            except BaseException:
+                with self._lock:  # lost meanwhile: its retraction, queued, covers them
+                    if self._revoked == revoked:
+                        self._queued = taken + self._queued
+                raise
+            self._failing = False
+
+    def _header(self) -> dict[str, Any]:
+        header = {
+            "segment": self.segment,
+            "resumed_from": self.resumed_from,
+            "parent": self.parent,
+            "world_size": self.world_size,
+            "time": time.time(),
+        }
+        if self._replaces:
+            header["replaces"] = True
+        return header
 
     def _revoke(self) -> None:
         """The folder is lost (holding ``_lock``): drop what waits, withdraw what this
-        segment wrote after its last committed step, record nothing more."""
+        segment wrote after its last committed step (a line written with the next write,
+        never held by the gate), record nothing more."""
         if self._revoked or self._gate is None:
             return
         self._revoked = True
-        held = _step_count(self._unwritten)
-        self._unwritten = []
-        retraction = json.dumps({"segment": self.segment, "retracted": True,
-                                 "kept_upto": self._gate.committed_step,
-                                 "reason": self._gate.lost})  # fmt: skip
-        if self._objects is not None:
-            held += self._objects.retract(retraction + "\n")
-        elif self._emitted:
-            try:
-                if self._file is None:
-                    self._file = self._open()
-                self._file.write(("\n" if self._torn else "") + retraction + "\n")
-                self._file.flush()
-            except OSError as exc:
-                logger.warning("cannot withdraw this run's steps from %s: %s",
-                               record_name(self._root), exc)  # fmt: skip
+        held = _step_count(self._queued)
+        self._queued = []
+        if self._emitted:
+            retraction = {
+                "segment": self.segment,
+                "retracted": True,
+                "kept_upto": self._gate.committed_step,
+                "reason": self._gate.lost,
+            }
+            self._queued.append(retraction)
         logger.warning(
             "this Checkpointer lost its folder (%s): its tracked steps are no longer "
             "recorded in %s%s",
-            self._gate.lost, record_name(self._root),
+            self._gate.lost,
+            self._journal,
             f"; {held} step(s) waiting in memory were dropped" if held else "",
-        )  # fmt: skip
-
-    def _joined(self) -> str:
-        return "".join(
-            (x if isinstance(x, str) else json.dumps(x, allow_nan=False)) + "\n"
-            for x in self._unwritten
         )
 
-    def _open(self) -> Any:
-        """``metrics.jsonl`` for appending, never through a symbolic link (it would append
-        to whatever the link points at): a link raises ``CheckpointError`` naming it."""
-        assert self._root is not None
-        return open(self._root / FILE, "a", encoding="utf-8", opener=no_link_opener)
+    def _start_background_if_due(self) -> None:
+        """(Holding ``_lock``, batched journals) start a write in the background once the
+        journal's interval has passed since the last write, one at a time."""
+        interval = self._journal.write_interval if self._journal is not None else None
+        if interval is None or time.monotonic() - self._last_write < interval:
+            return
+        if self._background is not None and self._background.is_alive():
+            return
+        self._last_write = time.monotonic()  # one background write per interval
+        self._background = threading.Thread(
+            target=self._write_quietly, name="unbroken-metrics-upload", daemon=True
+        )
+        self._background.start()
 
-    def _drop_file(self) -> None:
-        self._torn = True
-        if self._file is not None:
-            with contextlib.suppress(OSError):
-                self._file.close()
-            self._file = None
+    def _write_quietly(self) -> None:
+        try:
+            self._write_queued(can_list=True)
+        except (OSError, CheckpointError) as exc:
+            if not self._warned_background:
+                self._warned_background = True
+                logger.warning(
+                    "%s (the tracked steps stay queued and are written with the next save)",
+                    exc,
+                )
+
+
+def _joined(lines: list[dict[str, Any] | str]) -> str:
+    return "".join(
+        (x if isinstance(x, str) else json.dumps(x, allow_nan=False)) + "\n" for x in lines
+    )
 
 
 def _step_count(lines: list[dict[str, Any] | str]) -> int:
     """How many of the queued ``lines`` are tracked steps (those are strings)."""
     return sum(isinstance(x, str) for x in lines)
+
+
+_open_logs: weakref.WeakSet[MetricLog] = weakref.WeakSet()
+_exit_lock = threading.Lock()
+_exit_registered = False
+
+
+def _register_exit(log: MetricLog) -> None:
+    global _exit_registered
+    with _exit_lock:
+        _open_logs.add(log)
+        if not _exit_registered:
+            atexit.register(_write_at_exit)
+            _exit_registered = True
+
+
+def _write_at_exit() -> None:
+    """What a Checkpointer never closed still holds is written before the process ends
+    (batched journals: elsewhere every line was written as it was tracked)."""
+    for log in list(_open_logs):
+        if log.pending():
+            try:
+                log._write_queued(can_list=True)
+            except Exception as exc:  # nobody is left to raise it to
+                logger.error("tracked steps lost at exit: %s", exc)

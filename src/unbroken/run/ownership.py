@@ -29,15 +29,16 @@ Limits: an object store has no locks, so there a Checkpointer that has not commi
 yet writes its record whenever no other run has committed since its baseline (asked at
 each upload), and a second job that never saves leaves its steps there, marked with its
 segment. Two saves of one step racing on a store (both passed :meth:`FolderClaim.check`)
-are decided at the commit (``storage/store_dir.py``): the manifest is written
-create-only, and a step found committed is replaced only if its lineage's last event is
-in the saving run's lineage; else the save fails naming the step, and nothing of the
-other's is moved or deleted. Of two different steps both may commit, and each run's
-next save is then refused.
+are decided at the commit (``CheckpointDir.commit``): the manifest is written
+create-only, and a step found committed is replaced only if :func:`other_writer` finds
+its lineage's last event in the saving run's lineage; else the save fails naming the
+step, and nothing of the other's is moved or deleted. Of two different steps both may
+commit, and each run's next save is then refused.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from typing import Any
@@ -160,7 +161,7 @@ class FolderClaim:
             if self._unchallenged is None:
                 self._unchallenged = self._no_new_steps()
             return True if self._unchallenged else None
-        if can_list and self._dir.remote:
+        if can_list and not self._dir.has_locks:
             return True if self._no_new_steps() else None
         return None
 
@@ -246,6 +247,47 @@ class FolderClaim:
             "own folder (two models of one job, an actor and a critic: one Checkpointer "
             "with model={'actor': ..., 'critic': ...}, or one folder each)"
         )
+
+
+def other_writer(committed: bytes, lineage: list[dict[str, Any]]) -> str | None:
+    """Who committed the manifest ``committed`` (its bytes), found at the step that a save
+    with ``lineage`` commits, if not that save's own run; None if the save may replace it.
+
+    It may if the old copy's last lineage event (a segment: one Checkpointer's start or
+    resume) is one of ``lineage``'s: its own earlier save, or the step it resumed from
+    (lineages older than segments: the old lineage is a prefix of the new one). An
+    unreadable manifest is no run's: a damaged step, replaced as before.
+
+    Example::
+
+        folder.commit(partial, 5, manifest=data,
+                      other_writer=lambda old: other_writer(old, lineage))
+    """
+    theirs = _lineage_in(committed)
+    ours = lineage if lineage and all(isinstance(e, dict) for e in lineage) else None
+    if theirs is None or ours is None:
+        return None
+    last = theirs[-1]
+    if last.get("segment") is not None:
+        if last["segment"] in {e.get("segment") for e in ours}:
+            return None
+    elif ours[: len(theirs)] == theirs:
+        return None
+    run = (theirs[0] or {}).get("run", "unknown")
+    return f"run {run}, segment {last.get('segment', 'unknown')}"
+
+
+def _lineage_in(data: bytes) -> list[dict[str, Any]] | None:
+    """The lineage in a manifest's bytes (None: unreadable, or none)."""
+    try:
+        lineage = json.loads(data).get("lineage")
+    except (ValueError, AttributeError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(lineage, list) or not lineage:
+        return None
+    if not all(isinstance(e, dict) for e in lineage):
+        return None
+    return lineage
 
 
 def _lineage_of(ckdir: CheckpointDir, step: int) -> list[dict[str, Any]] | None:

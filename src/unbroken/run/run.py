@@ -33,7 +33,7 @@ from ..live.state import Component
 from ..storage.interface import CheckpointDir
 from .idle_optimizers import IdleOptimizers
 from .lineage import Lineage, abandoned_steps, saved_by, unknown_run_id
-from .ownership import FolderClaim
+from .ownership import FolderClaim, other_writer
 from .record import RunRecord
 from .replay_check import ReplayVerdict
 from .trackers import Tracker, TrackerHub
@@ -61,6 +61,11 @@ class RunSave:
         """Before the save writes anything (rank 0, holding the save lock): refuse it if
         another run committed into the folder (``OtherRunError``)."""
         self._claim.check(step, self.lineage)
+
+    def other_writer(self, committed: bytes) -> str | None:
+        """At the commit (rank 0): who wrote the copy of the step committed already, if
+        not this run (a job racing on a store), else None: it may be replaced."""
+        return other_writer(committed, self.lineage)
 
     def findings(
         self, skeletons: Mapping[str, Any], tensors: Mapping[str, Any], algorithm: str

@@ -1,20 +1,26 @@
-"""The two roles storage plays, each with a local-disk and an object-store implementation.
+"""The roles storage plays for the rest of the library: the public seam of ``storage/``.
 
 - :class:`Location`: one folder or file of a checkpoint (``LocalPath`` on a disk,
   ``StorePath`` on a store). Format code reads and writes tensor bytes and manifests
-  through it and never asks which one it holds.
+  through it; where the media differ, a member says what the caller needs (how many
+  files a shard is written as, whether written buffers are kept, how reads are issued,
+  where a local output goes), never which medium it is.
+- :class:`Journal`: an append-only record of lines in a run folder (the tracked-metrics
+  record), from :meth:`Location.journal`.
 - :class:`CheckpointDir`: the root folder of one run: committed steps, partial saves,
-  the commit, retention, leftovers (``LocalCheckpointDir``: commit by rename under a save
-  lock; ``StoreCheckpointDir``: a create-only manifest write, no rename, no lock).
+  the commit, retention, leftovers. One implementation, ``run_folder.RunFolder``: the
+  run-folder policy written once over a medium (``backend.py``).
+- :class:`RunLock`: a run's hold on its folder while it records there.
 
-``unbroken.storage.locate`` chooses the implementation for a path or URL.
+``unbroken.storage.locate`` builds them for a path or URL.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 Identity = tuple[int, int, int]
@@ -55,13 +61,64 @@ class FileSink(Protocol):
     def write(self, data: memoryview | bytes) -> Any: ...
 
 
+class Journal(Protocol):
+    """An append-only record of text lines kept in a run folder (the tracked-metrics
+    record): a file appended to on a disk; on an object store, which cannot append,
+    objects whose names keep the order. ``str()`` says where it is, for messages.
+
+    Thread-safe: one writer appends and syncs, in order, while others read.
+    """
+
+    @property
+    def write_interval(self) -> float | None:
+        """None where an append is cheap (a disk): append every line as it comes. Where
+        every append is a request (a store), the seconds a writer gathers lines in memory
+        between appends, made in the background and never in the caller's loop
+        (``UNBROKEN_STORE_METRICS_S``, default 30)."""
+        ...
+
+    def append(self, text: str) -> None:
+        """Add ``text`` (whole lines) at the end of the record.
+
+        Raises:
+            OSError: it failed on a disk (a ``WriteError``, also a ``CheckpointError``,
+                naming the file and the free space). Part of ``text`` may have been
+                written: the next append starts on a new line, so readers skip the
+                fragment. Append it again (with what follows).
+            CheckpointError: it failed on a store (naming the object), or the record's
+                path is a symbolic link (never written through).
+        """
+        ...
+
+    def sync(self) -> None:
+        """Make everything appended durable (fsync on a disk; an append to a store is
+        durable when it returns). Raises like :meth:`append`."""
+        ...
+
+    def lines(self) -> list[str] | None:
+        """The record's lines in the order appended; None if nothing was ever recorded."""
+        ...
+
+    def close(self) -> None:
+        """Let go of what is open (a file); a later append opens it again."""
+        ...
+
+
 class Location(Protocol):
     """A folder or a file of a checkpoint: ``/`` joins, ``str()`` is its path or URL.
 
     Thread-safe: each call stands alone (a :class:`ChunkReader` is one thread's).
     """
 
-    remote: bool  # on an object store: every read is a request with a latency
+    saves_in_place: bool
+    """Whether a save writes its files straight into the step folder (an object store,
+    where nothing can be renamed into place): a step folder may then hold files of saves
+    that never committed (losing or crashed ones), which are not the checkpoint's and
+    no damage; on a disk a step folder is one save's, renamed into place whole."""
+
+    keeps_written_buffers: bool
+    """Whether :meth:`create`'s sink keeps the buffers it is given until its block ends
+    (an upload), so that a reused buffer must never be written to it."""
 
     @property
     def name(self) -> str: ...
@@ -128,6 +185,44 @@ class Location(Protocol):
         Raises ``CheckpointError`` naming the path (on a disk, the free space too)."""
         ...
 
+    def files_per_shard(self, wanted: int) -> int:
+        """How many files one rank's shard is written as in this folder, ``wanted`` if
+        the medium gains from files written side by side (a disk); 1 where one object
+        is uploaded in parallel parts anyway (a store)."""
+        ...
+
+    @property
+    def chunk_requests(self) -> int | None:
+        """How many reads of single chunks to keep in flight where every read is a
+        request with a latency (an object store); None where a file is best read in
+        runs of consecutive chunks (a disk)."""
+        ...
+
+    def free_space(self) -> str:
+        """Free space where this is, readable (``"1.5 MiB"``); ``"unknown"`` where it
+        cannot be told (a store)."""
+        ...
+
+    def is_empty(self) -> bool:
+        """Whether nothing is there: no such folder, or one without entries (on a store:
+        no object under the prefix). A file is not empty."""
+        ...
+
+    def make_dirs(self) -> None:
+        """Make this folder, and those above it, where the medium has folders (a disk); a
+        store needs none (a prefix exists once an object is under it)."""
+        ...
+
+    def local_file(self, name: str) -> Path:
+        """Where a local file made from this folder goes by default (a plot, a report):
+        ``name`` inside it on a disk; in the current folder for a store's URL."""
+        ...
+
+    def journal(self, name: str) -> Journal:
+        """The append-only record ``name`` of this folder: the file ``name.jsonl`` on a
+        disk, the objects under ``name/`` on a store. Nothing is read or written yet."""
+        ...
+
 
 class RunLock(Protocol):
     """A run's hold on its folder while its Checkpointer records there (local folders;
@@ -153,7 +248,13 @@ class CheckpointDir(Protocol):
     """
 
     root: Location
-    remote: bool
+
+    @property
+    def has_locks(self) -> bool:
+        """Whether the folder has a save lock and a run lock (a disk). Without them (an
+        object store) the create-only manifest write decides between two saves, and a
+        run lock is never held."""
+        ...
 
     def step_path(self, step: int) -> Location:
         """Where step ``step``'s committed checkpoint is (or would be)."""
@@ -181,7 +282,8 @@ class CheckpointDir(Protocol):
         ...
 
     def listdir(self) -> list[str]:
-        """The names in the root folder (``FileNotFoundError`` if there is none)."""
+        """The names in the root folder, sorted (``FileNotFoundError`` if there is none:
+        on a store, no object under the prefix)."""
         ...
 
     def is_folder(self, name: str) -> bool: ...
@@ -213,10 +315,21 @@ class CheckpointDir(Protocol):
         ...
 
     def commit(
-        self, partial: Location, step: int, *, retire: Sequence[int] = (), manifest: bytes = b""
+        self,
+        partial: Location,
+        step: int,
+        *,
+        retire: Sequence[int] = (),
+        manifest: bytes = b"",
+        other_writer: Callable[[bytes], str | None] | None = None,
     ) -> Location:
         """Write ``manifest`` last and make ``partial`` the committed checkpoint of
         ``step``, retiring the ``retire`` steps first (put back if the commit fails).
+
+        ``other_writer``: given the manifest bytes of a copy of ``step`` committed there
+        already (empty if unreadable), None if this save may replace it, else who
+        committed it (for the error); None: any copy is replaced. Storage never reads
+        what a manifest says beyond the files it lists: the caller owns that rule.
         Raises ``CheckpointError`` having committed nothing."""
         ...
 

@@ -7,6 +7,8 @@ disk: a sparse file (mostly holes) claims bytes it does not hold, and reading it
 spend memory on data that is not there, so memory stays bounded by what the checkpoint
 really takes on disk. ``restore()``, ``unbroken verify`` and the offline readers apply
 these same rules.
+
+A journal (the tracked-metrics record, :class:`FileJournal`) is a file appended to.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import errno
 import os
 import pathlib
 import stat
+import threading
 from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
 from ..errors import CorruptCheckpointError
+from . import posix
 from .interface import FileStat, Identity, TooLarge
 from .names import MANIFEST
-from .posix import SAVE_FIX, writing
+from .posix import SAVE_FIX, no_link_opener, writing
 
 ALLOW_SPARSE = "UNBROKEN_ALLOW_SPARSE"  # set to 1 where allocation is not reported
 _HOLES_ALLOWED = 1 << 20  # unallocated bytes a file may have (block rounding, tiny files)
@@ -70,7 +74,9 @@ class LocalPath(pathlib.PosixPath):
     """A folder or file of a checkpoint on a local disk: a ``pathlib`` path that also
     plays the ``Location`` role (``unbroken.storage.interface``)."""
 
-    remote = False
+    saves_in_place = False
+    keeps_written_buffers = False
+    chunk_requests = None  # a file is read in runs of consecutive chunks
 
     def is_link(self) -> bool:
         return self.is_symlink()
@@ -131,8 +137,11 @@ class LocalPath(pathlib.PosixPath):
         except OSError as exc:  # gone meanwhile (pruned: the caller re-lists) or unreadable
             return [*found, (self.name, f"{self} cannot be listed ({exc.strerror or exc})")]
         for name in sorted(present - set(listed) - {MANIFEST}):
-            found.append((name, f"{self / name} is not listed in the manifest: something "
-                                "other than the save wrote there"))  # fmt: skip
+            why = (
+                f"{self / name} is not listed in the manifest: something other than the "
+                "save wrote there"
+            )
+            found.append((name, why))
         return found
 
     def read_capped(self, limit: int) -> bytes:
@@ -164,3 +173,93 @@ class LocalPath(pathlib.PosixPath):
             yield f
             f.flush()
             os.fsync(f.fileno())
+
+    # -- what callers need where media differ (``interface.Location``) --------------------
+
+    def files_per_shard(self, wanted: int) -> int:
+        return max(1, wanted)  # files written side by side finish sooner
+
+    def free_space(self) -> str:
+        return posix.free_space(self)
+
+    def is_empty(self) -> bool:
+        if not self.exists():
+            return True
+        return self.is_dir() and not any(self.iterdir())
+
+    def make_dirs(self) -> None:
+        self.mkdir(parents=True, exist_ok=True)
+
+    def local_file(self, name: str) -> LocalPath:
+        return self / name
+
+    def journal(self, name: str) -> FileJournal:
+        return FileJournal(self / f"{name}.jsonl")
+
+
+_JOURNAL_FIX = (
+    "free space: the tracked steps not on disk yet stay queued and are written by the "
+    "next append or flush"
+)
+
+
+class FileJournal:
+    """The ``Journal`` role on a disk: a file appended to, as lines come (one buffered
+    write and a flush: a crash of the process loses nothing appended; :meth:`sync`
+    fsyncs). Never opened through a symbolic link (one planted at its path would have it
+    append to whatever the link points at). Thread-safe."""
+
+    write_interval = None  # an append is cheap: every line as it comes
+
+    def __init__(self, path: LocalPath) -> None:
+        self._path = path
+        self._file: Any = None
+        self._torn = False  # a failed write may have left part of a line in the file
+        self._lock = threading.Lock()
+
+    def __str__(self) -> str:
+        return str(self._path)
+
+    def append(self, text: str) -> None:
+        with self._lock, writing(self._path, "appending to", _JOURNAL_FIX):
+            try:
+                if self._file is None:
+                    self._file = self._open()
+                # After a failed write, a newline ends any torn line (readers skip it).
+                self._file.write(("\n" if self._torn else "") + text)
+                self._file.flush()
+            except OSError:
+                self._torn = True
+                self._close()
+                raise
+            self._torn = False
+
+    def sync(self) -> None:
+        with self._lock:
+            if self._file is None:
+                return  # nothing of this writer's to sync
+            fd = os.dup(self._file.fileno())
+        try:  # outside the lock: an append need not wait for the disk
+            with writing(self._path, "writing", _JOURNAL_FIX):
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def lines(self) -> list[str] | None:
+        if not self._path.is_file():
+            return None
+        return self._path.read_text(encoding="utf-8", errors="replace").splitlines()
+
+    def _open(self) -> IO[str]:
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        return open(self._path, "a", encoding="utf-8", opener=no_link_opener)
+
+    def _close(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None

@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 
 from .interface import CheckpointDir, Location
-from .local_dir import LocalCheckpointDir
 from .local_files import LocalPath
-from .store_dir import StoreCheckpointDir
+from .local_medium import LocalMedium
+from .run_folder import RunFolder
+from .store_medium import StoreMedium
 from .store_path import StorePath
 
 
@@ -38,8 +39,10 @@ def pinned(root: str | os.PathLike | Location) -> str | Location:
     as if the absolute path had been given; a link in it is followed at each use, as
     for any absolute path). A store's URL, an absolute path or a ``Location`` is
     returned as it is (an absolute path as text)."""
-    if isinstance(root, StorePath | LocalPath):
-        return root if root.remote or root.is_absolute() else LocalPath(root.absolute())
+    if isinstance(root, StorePath):
+        return root
+    if isinstance(root, LocalPath):
+        return root if root.is_absolute() else LocalPath(root.absolute())
     text = os.fspath(root)
     if is_url(text):
         return text
@@ -47,13 +50,14 @@ def pinned(root: str | os.PathLike | Location) -> str | Location:
 
 
 def checkpoint_dir(root: str | os.PathLike | Location) -> CheckpointDir:
-    """The run folder ``root``: on a local disk, or on the object store its URL names.
+    """The run folder ``root``: the one run-folder policy (``run_folder.RunFolder``) over a
+    local disk, or over the object store its URL names.
 
     Raises:
         CheckpointError: ``root`` is a file (an object), not a folder; a URL whose store
             is not installed or that names a bucket without a folder.
     """
     if isinstance(root, StorePath):
-        return StoreCheckpointDir(str(root))
+        return RunFolder(StoreMedium(str(root)))
     text = os.fspath(root)
-    return StoreCheckpointDir(text) if is_url(text) else LocalCheckpointDir(text)
+    return RunFolder(StoreMedium(text) if is_url(text) else LocalMedium(text))

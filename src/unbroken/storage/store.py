@@ -1,9 +1,9 @@
 """Object stores (S3 and any fsspec URL): one client per file system, and every request.
 
 The paths of a checkpoint on a store are ``StorePath``s (``store_path.py``); each of
-their operations is a request made here. The store is an fsspec file system, imported only when a URL is used (``import
-unbroken`` never needs fsspec). Its options come from fsspec's own configuration, so
-no new argument is needed: botocore's ``AWS_ENDPOINT_URL``, ``AWS_PROFILE`` and
+their operations is a request made here. The store is an fsspec file system, imported
+only when a URL is used (``import unbroken`` never needs fsspec). Its options come from
+fsspec's own configuration, so no new argument is needed: botocore's ``AWS_ENDPOINT_URL``, ``AWS_PROFILE`` and
 credentials chain for S3; ``FSSPEC_S3_<OPTION>`` environment variables or an fsspec
 config file (``FSSPEC_CONFIG_DIR``) for anything else.
 
@@ -106,8 +106,14 @@ class Store:
                     ) from exc
                 logger.warning(
                     "%s %s failed (%s: %s), attempt %d of %d; retrying in %.1fs",
-                    doing, self.url(key), type(exc).__name__, exc, attempt, attempts, wait,
-                )  # fmt: skip
+                    doing,
+                    self.url(key),
+                    type(exc).__name__,
+                    exc,
+                    attempt,
+                    attempts,
+                    wait,
+                )
                 time.sleep(wait)
                 wait *= 2
         raise AssertionError("unreachable")
@@ -171,8 +177,11 @@ class Store:
             for path, info in found.items():
                 rel = path[len(prefix) :].lstrip("/") if path.startswith(prefix) else None
                 if rel and info.get("type", "file") == "file":
-                    out[rel] = {"size": int(info["size"]), "etag": _etag(info),
-                                "age": now - _mtime(info, now)}  # fmt: skip
+                    out[rel] = {
+                        "size": int(info["size"]),
+                        "etag": _etag(info),
+                        "age": now - _mtime(info, now),
+                    }
             return out
 
         return self.call("listing", prefix, ls)
@@ -195,8 +204,12 @@ class Store:
             age = time.time() - started.timestamp() if hasattr(started, "timestamp") else 0
             if age >= limit:
                 with contextlib.suppress(Exception):
-                    fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=up["Key"],
-                               UploadId=up["UploadId"])  # fmt: skip
+                    fs.call_s3(
+                        "abort_multipart_upload",
+                        Bucket=bucket,
+                        Key=up["Key"],
+                        UploadId=up["UploadId"],
+                    )
                     aborted.append(up["Key"])
         return aborted
 

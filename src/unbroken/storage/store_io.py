@@ -150,9 +150,14 @@ def _multipart(store: StoreClient, key: str, segments: list[memoryview], size: i
     def send(number: int, body: memoryview) -> dict[str, Any]:
         def once() -> dict[str, Any]:
             return _s3_once(
-                fs, "upload_part", Bucket=bucket, Key=name, UploadId=upload_id,
-                PartNumber=number, Body=_View(body),
-            )  # fmt: skip
+                fs,
+                "upload_part",
+                Bucket=bucket,
+                Key=name,
+                UploadId=upload_id,
+                PartNumber=number,
+                Body=_View(body),
+            )
 
         out = store.call(f"uploading part {number} of", key, once)
         return {"PartNumber": number, "ETag": out["ETag"]}
@@ -171,9 +176,12 @@ def _multipart(store: StoreClient, key: str, segments: list[memoryview], size: i
 
         def complete() -> Any:
             return fs.call_s3(
-                "complete_multipart_upload", Bucket=bucket, Key=name, UploadId=upload_id,
+                "complete_multipart_upload",
+                Bucket=bucket,
+                Key=name,
+                UploadId=upload_id,
                 MultipartUpload={"Parts": parts},
-            )  # fmt: skip
+            )
 
         store.call("completing the upload of", key, complete)
     except BaseException:

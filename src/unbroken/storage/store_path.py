@@ -1,23 +1,41 @@
 """A checkpoint's files on an object store: :class:`StorePath`, the ``Location`` role for
-a key under a store's URL.
+a key under a store's URL, and :class:`ObjectJournal`, its append-only record.
 
 An object store has no links, no sparse files and no folders of its own (a "folder" is a
 key prefix), so the rules a local disk needs reduce to: a listed object is there, of its
 recorded size. Objects under a step that its manifest does not list are no damage: they
-are a crashed or losing save's uploads, which a later save removes (``store_dir.py``).
+are a crashed or losing save's uploads, which a later save removes (``store_medium.py``).
+
+A store cannot append, so a journal (the tracked-metrics record) is a series of objects
+of up to about :data:`CHUNK_BYTES` under ``PREFIX/<name>/``, named
+``<wall-clock ns>-<writer id>-<seq>.jsonl`` when started: listing them in name order
+gives the lines in the order they were appended, across every resume of the run (each
+resume is a later process, so a later clock). Each append rewrites the object being
+filled with the new lines at its end, so a long run with frequent appends still leaves
+few objects to list and read.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import threading
+import time
+import uuid
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
+from ..env import env_number
 from ..errors import CheckpointError
 from .interface import FileStat, Identity, TooLarge
 from .names import MANIFEST
 from .store import Store
+from .store_io import concurrency
+
+INTERVAL_ENV = "UNBROKEN_STORE_METRICS_S"
+CHUNK_BYTES = 1 << 20  # a journal's object is rewritten with new lines until it holds this much
 
 
 class _ObjectChunks:
@@ -53,7 +71,8 @@ class StorePath:
     """
 
     __slots__ = ("key", "store", "tag")
-    remote = True
+    saves_in_place = True
+    keeps_written_buffers = True
 
     def __init__(self, store: Store, key: str, tag: str | None = None) -> None:
         self.store = store
@@ -141,9 +160,11 @@ class StorePath:
             if name not in present:
                 found.append((name, f"{self / name} is missing"))
             elif present[name].size != rec["size"]:
-                found.append((name, f"{self / name} is {present[name].size} bytes, the "
-                                    f"manifest says {rec['size']}: it was truncated or "
-                                    "altered"))  # fmt: skip
+                why = (
+                    f"{self / name} is {present[name].size} bytes, the manifest says "
+                    f"{rec['size']}: it was truncated or altered"
+                )
+                found.append((name, why))
         return found
 
     def read_capped(self, limit: int) -> bytes:
@@ -154,7 +175,31 @@ class StorePath:
             raise TooLarge(str(self), None if info is None else info["size"])
         return data
 
-    # -- a committed checkpoint's folder as a whole (``store_dir.py``) -------------------
+    # -- what callers need where media differ (``interface.Location``) --------------------
+
+    def files_per_shard(self, wanted: int) -> int:
+        return 1  # one object, uploaded in parallel parts
+
+    @property
+    def chunk_requests(self) -> int:
+        return concurrency()
+
+    def free_space(self) -> str:
+        return "unknown"
+
+    def is_empty(self) -> bool:
+        return not self.exists()
+
+    def make_dirs(self) -> None:
+        pass  # a prefix exists once an object is under it
+
+    def local_file(self, name: str) -> Path:
+        return Path(name)  # a URL is not a local folder: the current one
+
+    def journal(self, name: str) -> ObjectJournal:
+        return ObjectJournal(self / name)
+
+    # -- a committed checkpoint's folder as a whole (``store_medium.py``) ----------------
 
     def manifest_bytes(self) -> bytes | None:
         """The bytes of this folder's manifest, or None if it has none."""
@@ -205,3 +250,63 @@ class StorePath:
         sink = _Segments()
         yield sink
         self.store.upload(self.key, sink.segments)
+
+
+class ObjectJournal:
+    """The ``Journal`` role on a store: lines go, in order, into objects under
+    ``folder`` (see the module docstring). Appends to one journal are made one at a time
+    (a lock); a failed one changes nothing and is retried under the same name, with what
+    follows, by the next append."""
+
+    def __init__(self, folder: StorePath) -> None:
+        self._folder = folder
+        self._writer = uuid.uuid4().hex[:12]
+        self._name: str | None = None  # the object being filled
+        self._body = ""  # its text, as uploaded
+        self._seq = 0
+        self._last_ns = 0
+        self._lock = threading.Lock()
+
+    def __str__(self) -> str:
+        return f"{self._folder}/"
+
+    @property
+    def write_interval(self) -> float:
+        """``UNBROKEN_STORE_METRICS_S`` (default 30): every append is a request."""
+        return env_number(INTERVAL_ENV, 30.0, 0.0)
+
+    def append(self, text: str) -> None:
+        with self._lock:
+            if self._name is None:
+                self._name = self._next_name()
+            body = self._body + text
+            store = self._folder.store
+            store.put((self._folder / self._name).key, body.encode("utf-8"))
+            if len(body) >= CHUNK_BYTES:
+                self._name, self._body = None, ""
+            else:
+                self._body = body
+
+    def sync(self) -> None:
+        pass  # an append is durable when it returns
+
+    def close(self) -> None:
+        pass  # nothing stays open between requests
+
+    def lines(self) -> list[str] | None:
+        store = self._folder.store
+        names = sorted(n for n in store.listing(self._folder.key) if n.endswith(".jsonl"))
+        if not names:
+            return None
+        with ThreadPoolExecutor(min(len(names), concurrency()), "unbroken-journal-read") as pool:
+            texts = list(pool.map(lambda n: store.read((self._folder / n).key), names))
+        found: list[str] = []
+        for data in texts:
+            found += data.decode("utf-8", errors="replace").splitlines()
+        return found
+
+    def _next_name(self) -> str:
+        now = max(time.time_ns(), self._last_ns + 1)  # strictly increasing in this process
+        self._last_ns = now
+        self._seq += 1
+        return f"{now:020d}-{self._writer}-{self._seq:06d}.jsonl"

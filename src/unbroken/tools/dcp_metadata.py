@@ -34,7 +34,7 @@ from torch.distributed.checkpoint import filesystem
 from torch.distributed.checkpoint import metadata as md
 
 from ..errors import CorruptCheckpointError
-from ..storage.local_files import allocated
+from ..storage.locate import location
 
 MAX_METADATA_BYTES = 256 << 20
 _FILE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
@@ -188,7 +188,7 @@ def _check(found: Any, folder: Path) -> None:
             all(isinstance(n, int) and n >= 0 for n in (info.offset, info.length)),
             f"{index.fqn!r} has storage offset {info.offset!r}, length {info.length!r}",
         )
-    held = sum(allocated(e.stat()) for e in os.scandir(folder) if e.is_file(follow_symlinks=False))
+    held = sum(f.held for f in location(folder).plain_files().values())
     compressed = any(getattr(i, "transform_descriptors", None) for i in storage.values())
     _require(
         total <= held * (64 if compressed else 1),

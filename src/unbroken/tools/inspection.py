@@ -218,7 +218,7 @@ def summarize(folder: Location) -> CheckpointSummary:
 
 def _size(folder: Location) -> int:
     files = folder.plain_files()
-    if folder.remote:  # a store's: its manifest and the files it lists (not other saves')
+    if folder.saves_in_place:  # only its manifest and the files it lists (not other saves')
         try:
             listed = set(manifest.read(folder)["files"]) | {MANIFEST}
         except CheckpointError:
