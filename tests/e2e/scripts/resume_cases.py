@@ -20,11 +20,16 @@ checkpoint to compare with.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import unbroken as ub
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
+from script_end import end_step
 
 
 class Batches:
@@ -106,9 +111,7 @@ def main() -> None:
         progress.samples += len(xb)
         progress.mean_loss += (loss.item() - progress.mean_loss) / (step + 1)
         ckpt.track(step + 1, loss=loss, grad_norm=grad_norm)
-        if (step + 1) % args.save_every == 0 or ckpt.should_stop(step + 1):
-            ckpt.save(step + 1)
-        if ckpt.should_stop(step + 1):
+        if end_step(ckpt, step + 1, every=args.save_every):
             break
     ckpt.close()
 

@@ -30,17 +30,19 @@ i.e. ``fully_shard``), and ``clip_grad_norm_``/``accumulate`` their FSDP branche
 from __future__ import annotations
 
 import argparse
-import gc
-import os
 import sys
+from pathlib import Path
 
 import fsdp_common
 import torch
-from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from torch import nn
 
 from unbroken.integrations.accelerate import checkpointer_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
+import script_end
 
 
 def fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
@@ -142,14 +144,4 @@ def train(accelerator, ckpt, model, opt, loader, sched, step: int, steps: int) -
 
 if __name__ == "__main__":
     main()
-    gc.collect()
-    PartialState().destroy_process_group()
-    # Every checkpoint and dump is written and closed by now. A process that ran FSDP1 on
-    # gloo can still abort during interpreter finalization ("terminate called without an
-    # active exception"; seen once in a CI-like run, after the resume had committed), most
-    # likely a gloo worker thread releasing a tensor there, the crash discussed in
-    # pytorch/pytorch PR 179291. This test is about the resume, not the exit
-    # (tests/integrations/test_accelerate_exit.py is), so the process ends here.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    script_end.end_process()
