@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import pytest
 
-from s3_server import S3Server
-
 from . import launcher, models
 from .test_fsdp_reshard import _restore_on_fsdp
 
@@ -19,15 +17,11 @@ URL = "s3://fsdp/run"
 
 
 @pytest.fixture(scope="module")
-def saved_on_two():
-    server = S3Server()
-    server.bucket("fsdp")
-    try:
-        with server.environment():  # spawned ranks inherit it
-            want = launcher.run(models.save_trained_fsdp, 2, URL)[0]
-            yield server, want
-    finally:
-        server.stop()
+def saved_on_two(s3_server):
+    s3_server.bucket("fsdp")
+    with s3_server.environment():  # spawned ranks inherit it
+        want = launcher.run(models.save_trained_fsdp, 2, URL)[0]
+        yield s3_server, want
 
 
 def test_each_rank_uploads_its_shard_rank0_commits(saved_on_two):

@@ -25,8 +25,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from s3_server import S3Server
-
 pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).parent / "scripts" / "many_nodes_train.py"
 STEPS = 4
@@ -52,17 +50,17 @@ def _launch(nodes: int, args: list[str], logs: Path, env: dict[str, str] | None 
     try:
         for node in range(nodes):
             log = logs / f"node_{node}.log"
-            cmd = [sys.executable, "-m", "torch.distributed.run",
-                   "--nnodes", str(nodes), "--nproc-per-node", "1",
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
-                   # node 0 hosts the rendezvous store; the others connect to it
-                   "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
-                   "--max-restarts", "0", "--monitor-interval", "0.1",
-                   str(SCRIPT), *args]  # fmt: skip
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes)]
+            cmd += ["--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+            cmd += ["--rdzv-endpoint", endpoint, "--rdzv-id", job]
+            # node 0 hosts the rendezvous store; the others connect to it
+            cmd += ["--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1"]
+            cmd += ["--max-restarts", "0", "--monitor-interval", "0.1", str(SCRIPT), *args]
             with log.open("w") as out:
-                agents.append((subprocess.Popen(cmd, env=full_env, stdout=out,
-                                                stderr=subprocess.STDOUT, start_new_session=True),
-                               log))  # fmt: skip
+                agent = subprocess.Popen(
+                    cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            agents.append((agent, log))
         deadline = time.monotonic() + TIMEOUT_S
         for agent, _ in agents:
             agent.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -129,15 +127,12 @@ def _full(out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def store():
-    """moto's S3 server on loopback; the agents find it through the environment
-    (``S3Server.env``), as tests/distributed/test_fsdp_s3.py points its ranks at it."""
-    server = S3Server()
-    try:
-        server.bucket("nodes")
-        yield server
-    finally:
-        server.stop()
+def store(s3_server):
+    """moto's S3 server on loopback with a bucket ``nodes``; the agents find it through
+    the environment (``S3Server.env``), as tests/distributed/test_fsdp_s3.py points its
+    ranks at it."""
+    s3_server.bucket("nodes")
+    return s3_server
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +142,8 @@ def saved_on_two_nodes(tmp_path_factory, store) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("many_nodes")
     ckpt, saved = root / "ckpt", root / "saved"
     saved.mkdir()
-    _launch(2, [str(ckpt), URL, "--out", str(saved), "--steps", str(STEPS)], saved / "logs",
-            store.env)  # fmt: skip
+    args = [str(ckpt), URL, "--out", str(saved), "--steps", str(STEPS)]
+    _launch(2, args, saved / "logs", store.env)
     records = _records(saved, 2)
     assert sorted(r["node"] for r in records) == [0, 1]  # one rank per node
     for r in records:
@@ -165,9 +160,8 @@ def _resume(folder: str, nodes: int, saved: Path, out: Path, env: dict[str, str]
         assert r["restored"] and r["step"] == STEPS, r
         assert r["verified"] and r["resharded"], r
         assert (r["saved_world_size"], r["world_size"]) == (2, nodes), r
-        assert r["components"] == {
-            "model": "restored", "optimizer": "restored", "scheduler": "restored", "rng": "reset"
-        }, r  # fmt: skip
+        restored = {"model": "restored", "optimizer": "restored", "scheduler": "restored"}
+        assert r["components"] == {**restored, "rng": "reset"}, r
         assert r["last_epoch"] == STEPS, r
     _assert_same(_full(out), _full(saved))
 
@@ -176,9 +170,8 @@ def test_two_nodes_write_one_folder(saved_on_two_nodes):
     """Each node's rank writes its own shard into the shared folder; one manifest."""
     ckpt, _ = saved_on_two_nodes
     step = ckpt / f"step_{STEPS:08d}"
-    assert sorted(p.name for p in step.iterdir()) == [
-        "manifest.json", "rank_00000.bin", "rank_00001.bin"
-    ]  # fmt: skip
+    files = ["manifest.json", "rank_00000.bin", "rank_00001.bin"]
+    assert sorted(p.name for p in step.iterdir()) == files
     assert json.loads((step / "manifest.json").read_text())["world_size"] == 2
 
 
