@@ -1,6 +1,6 @@
 """Hostile manifest fields that passed the schema (issue 29, item 9).
 
-A manifest re-sealed with a valid checksum after an edit (``tests/manifest_fuzz.py``) is
+A manifest re-sealed with a valid checksum after an edit (``tests/tamper.py``) is
 untrusted input. Before this, a tensor's ``device`` of ``meta`` (or ``cuda`` on a machine
 without one) reached tensor allocation and raised a raw ``RuntimeError`` ("Cannot access
 accelerator device"), skipping the fallback to an older step; ``meta`` on a tensor with a
@@ -12,13 +12,11 @@ raises ``CorruptCheckpointError`` naming it, ``unbroken verify`` fails naming it
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from typer.testing import CliRunner
 
-import manifest_fuzz as fuzz
+import tamper
 import unbroken as ub
 from conftest import Problem, assert_same_training_state, save_steps
 
@@ -57,12 +55,7 @@ HOSTILE = [
 
 def _hostile(saved, tmp_path, edit) -> ub.Checkpointer:
     root, _ = saved
-    work = tmp_path / "run"
-    shutil.copytree(root, work)
-    doc = fuzz.load(work / "step_00000002")
-    edit(doc)
-    (work / "step_00000002" / "manifest.json").write_text(fuzz.text(doc))
-    return work
+    return tamper.edited_copy(root, tmp_path / "run", edit)
 
 
 @pytest.mark.parametrize(("edit", "field"), [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE])

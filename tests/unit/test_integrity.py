@@ -10,6 +10,7 @@ import pytest
 import torch
 import xxhash
 
+import tamper
 import unbroken as ub
 from conftest import Problem, assert_same_training_state
 
@@ -34,9 +35,7 @@ def _shard(ckpt_dir, step=2):
         (lambda f: f.unlink(), "rank_00000.bin is missing"),
         (lambda f: f.write_bytes(_flip(f.read_bytes(), 40)), "fail their checksum"),
         (lambda f: (f.parent / "rank_00001.bin").write_bytes(b"x"), "rank_00001.bin"),
-        (lambda f: (f.parent / "manifest.json").write_text(
-            (f.parent / "manifest.json").read_text().replace('"step": 2', '"step": 3')),
-         "manifest was altered"),
+        (lambda f: tamper.alter(f.parent, '"step": 2', '"step": 3'), "manifest was altered"),
         (lambda f: (f.parent / "manifest.json").write_text("{not json"), "not valid JSON"),
     ],
     ids=["truncated", "missing", "bit-flip", "extra-file", "manifest-altered", "manifest-garbage"],

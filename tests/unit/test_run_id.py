@@ -10,11 +10,9 @@ a path (``../``, a newline) instead of being refused as damage.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-import manifest_fuzz as fuzz
+import tamper
 import unbroken as ub
 from conftest import Problem, save_steps
 from distributed import launcher
@@ -97,12 +95,7 @@ def saved(tmp_path_factory):
 
 
 def _edited(saved, tmp_path, edit):
-    work = tmp_path / "run"
-    shutil.copytree(saved, work)
-    doc = fuzz.load(work / "step_00000002")
-    edit(doc)
-    (work / "step_00000002" / "manifest.json").write_text(fuzz.text(doc))
-    return work
+    return tamper.edited_copy(saved, tmp_path / "run", edit)
 
 
 def _restored_id(folder, step: int) -> str:
