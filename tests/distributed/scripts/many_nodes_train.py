@@ -32,7 +32,7 @@ from torch.distributed.fsdp import fully_shard
 import unbroken as ub
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
-from script_end import end_process
+from training_scripts import end_process
 
 WIDTH = 13  # 13 rows shard unevenly over 2 and 3 ranks (7+6, 5+5+3)
 

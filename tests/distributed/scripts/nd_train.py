@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import unbroken as ub
 from distributed import moe_models, pp_models, tp_models
-from script_end import end_process, end_step
+from training_scripts import end_process, end_step
 
 
 def _hsdp(world: int):

@@ -29,7 +29,7 @@ from torch import nn
 import unbroken as ub
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
-from script_end import end_step
+from training_scripts import end_step, regression_step
 
 
 class Batches:
@@ -102,12 +102,7 @@ def main() -> None:
         torch.manual_seed(0)  # the bug: the restored RNG state is lost
     for step in range(start, args.steps):
         xb, yb = batches.next()
-        loss = (model(xb) - yb).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss, grad_norm = regression_step(model, opt, sched, xb, yb)
         progress.samples += len(xb)
         progress.mean_loss += (loss.item() - progress.mean_loss) / (step + 1)
         ckpt.track(step + 1, loss=loss, grad_norm=grad_norm)

@@ -31,7 +31,7 @@ from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 import unbroken as ub
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
-from script_end import end_process, end_step
+from training_scripts import end_process, end_step, regression_step
 
 
 def build_loader(rank: int = 0, world: int = 1) -> StatefulDataLoader:
@@ -91,12 +91,7 @@ def main() -> None:
         except StopIteration:
             batches = iter(loader)
             x, y = next(batches)
-        loss = (model(x) - y).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss, grad_norm = regression_step(model, opt, sched, x, y)
         ckpt.track(step + 1, loss=loss, grad_norm=grad_norm)
         time.sleep(pause)
         if end_step(ckpt, step + 1, every=10):

@@ -42,7 +42,7 @@ from torch import nn
 from unbroken.integrations.accelerate import checkpointer_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
-import script_end
+import training_scripts
 
 
 def fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
@@ -144,4 +144,4 @@ def train(accelerator, ckpt, model, opt, loader, sched, step: int, steps: int) -
 
 if __name__ == "__main__":
     main()
-    script_end.end_process()
+    training_scripts.end_process()

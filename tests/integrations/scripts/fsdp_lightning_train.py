@@ -38,7 +38,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from unbroken.integrations.lightning import UnbrokenCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
-import script_end
+import training_scripts
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -175,4 +175,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    script_end.end_process()
+    training_scripts.end_process()

@@ -1,8 +1,10 @@
-"""How the tests' training scripts end a step and end their process.
+"""What the tests' training scripts share: one step's update, its tail, and the end of
+the process.
 
-:func:`end_step` is the tail of a training step (save at the step's cadence, at the last
-step, or when a stop is asked for; stop when asked). :func:`end_process` is the last
-call of a multi-process script: it returns, and the interpreter finalizes normally.
+:func:`regression_step` is one optimizer step on a mean squared error. :func:`end_step`
+is the tail of a training step (save at the step's cadence, at the last step, or when a
+stop is asked for; stop when asked). :func:`end_process` is the last call of a
+multi-process script: it returns, and the interpreter finalizes normally.
 
 Why :func:`end_process` exists: gloo runs each collective on a worker thread of its
 process group, and that thread lets go of the finished work (and the tensors in it) a
@@ -39,10 +41,25 @@ import gc
 import os
 from typing import Any
 
+import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional  # noqa: F401  (see the module docstring)
+import torch.distributed.nn.functional  # imported before any group exists: see above
 
 GLOO_WORKER = "pt_gloo_runloop"  # the name torch gives a gloo process group's worker threads
+
+
+def regression_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on the mean squared error of ``model(x)`` against ``y``, the
+    gradients clipped to a norm of 1 and the scheduler stepped; (loss, gradient norm)."""
+    loss = (model(x) - y).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return loss, grad_norm
 
 
 def end_step(ckpt: Any, step: int, *, every: int | None = None, last: int | None = None) -> bool:
@@ -109,5 +126,5 @@ def end_process() -> None:
             f"{len(left)} gloo worker thread(s) outlived destroy_process_group(): something "
             "still refers to a process group (a module-level object, a cache, a default "
             "argument taken at import after init_process_group); find it with "
-            "gc.get_referrers and let it go before tests/script_end.end_process()"
+            "gc.get_referrers and let it go before tests/training_scripts.end_process()"
         )
