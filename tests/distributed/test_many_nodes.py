@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from processes import descendants, free_port
+
 pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).parent / "scripts" / "many_nodes_train.py"
 STEPS = 4
@@ -32,16 +33,10 @@ TIMEOUT_S = 120  # per launch, all agents together
 URL = "s3://nodes/run"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(nodes: int, args: list[str], logs: Path, env: dict[str, str] | None = None) -> None:
     """``nodes`` torchrun agents of one job, one process each; raise with every agent's
     log unless all exit 0 within ``TIMEOUT_S``."""
-    endpoint, job = f"127.0.0.1:{_free_port()}", uuid.uuid4().hex
+    endpoint, job = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
     full_env.update(OMP_NUM_THREADS="1", **(env or {}))
     logs.mkdir(parents=True, exist_ok=True)
@@ -70,7 +65,7 @@ def _launch(nodes: int, args: list[str], logs: Path, env: dict[str, str] | None 
         running = [a.pid for a, _ in agents if a.poll() is None]
         # Each worker is in a session of its own (torchrun starts it so): kill them by
         # id, found before their agent dies, then each agent's group.
-        for pid in [p for agent in running for p in _descendants(agent)] + running:
+        for pid in [p for agent in running for p in descendants(agent)] + running:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         for agent, _ in agents:
@@ -81,24 +76,6 @@ def _launch(nodes: int, args: list[str], logs: Path, env: dict[str, str] | None 
             f"--- node {n} exited with {rc} ---\n{log.read_text()[-4000:]}" for n, rc, log in failed
         )
         raise AssertionError(f"{nodes} node(s) running {args}{late}:\n{shown}")
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children, their children, ...), from /proc."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 def _records(out: Path, world: int) -> list[dict]:

@@ -1,7 +1,6 @@
 """What the FSDP-in-a-framework tests share: the scripts under ``scripts/`` loaded as
-modules, a torchrun command for one of them, the state dumps they write, and one runner
-that drives a framework's script through the same four launches, with the checks every
-framework's results must pass.
+modules, the state dumps they write, and one runner that drives a framework's script
+through the same four launches, with the checks every framework's results must pass.
 
 The runner (:func:`run`), for one FSDP version of one :class:`Framework`: the resume test
 (straight, stopped at ``stop_at``, resumed, on 2 ranks); the stopped run's checkpoint
@@ -16,9 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import shutil
-import socket
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -28,6 +25,7 @@ import pytest
 import torch
 
 import unbroken as ub
+from processes import torchrun
 from unbroken.testing import resume_test
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -44,15 +42,6 @@ def load_script(name: str) -> ModuleType:
 
 
 common = load_script("fsdp_common")  # the scripts import it by name
-
-
-def torchrun(script: Path, processes: int) -> list[str]:
-    """``script`` under torchrun on ``processes`` local ranks, on a free port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    launcher = [sys.executable, "-m", "torch.distributed.run"]
-    return [*launcher, "--nproc_per_node", str(processes), "--master_port", port, str(script)]
 
 
 def load_dump(path: Path) -> dict:
@@ -86,7 +75,7 @@ def run(framework: Framework, version: int, work: Path) -> dict[str, Any]:
     one process, and the refusal without ``reset``."""
     steps, stop_at, env = framework.steps, framework.stop_at, framework.env
     args = ["--fsdp", str(version), "--steps", str(steps)]
-    on_two = [*torchrun(framework.script, 2), "{dir}", *args, *framework.world_args(2)]
+    on_two = torchrun(2, framework.script, "{dir}", *args, *framework.world_args(2))
     command = [*on_two, "--dump", "{dir}.dump"]
     result = resume_test(command, stop_at=stop_at, workdir=work, env=env, plot=False, timeout=240)
     saved = work / "resumed" / f"step_{stop_at:08d}"
@@ -101,7 +90,7 @@ def run(framework: Framework, version: int, work: Path) -> dict[str, Any]:
                 framework.in_process([*argv, *dump])  # without reset: per-rank state, no owner
             framework.in_process([*argv, *dump, "--reset"])
         else:
-            command = [*torchrun(framework.script, ranks), str(folder), *args]
+            command = torchrun(ranks, framework.script, folder, *args)
             command += [*framework.world_args(ranks), "--reset", *dump]
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
             assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
