@@ -55,12 +55,8 @@ def test_sigkill_at_random_instants_of_save(tmp_path):
     folder = tmp_path / "ckpts"
     restored = []
     for _ in range(6):
-        proc = subprocess.Popen(
-            [sys.executable, str(SCRIPTS / "save_forever.py"), str(folder)],
-            stdout=subprocess.PIPE,
-            text=True,
-            env=_env(),
-        )
+        command = [sys.executable, str(SCRIPTS / "save_forever.py"), str(folder)]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_env())
         _wait_for_line(proc, "saved")
         time.sleep(rng.uniform(0.0, 0.4))
         proc.kill()
@@ -143,12 +139,8 @@ def test_sigterm_to_a_torchrun_job_saves_and_resumes_exactly(tmp_path, jobs):
 
 def test_crash_after_async_save_returned_keeps_the_previous_latest(tmp_path):
     folder = tmp_path / "ckpts"
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "async_crash.py"), str(folder)],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
+    command = [sys.executable, str(SCRIPTS / "async_crash.py"), str(folder)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_env())
     _wait_for_line(proc, "returned")
     proc.kill()  # save(2) returned, its background write has not committed
     proc.wait()
