@@ -82,13 +82,14 @@ def s3_server():
         s.stop()
 
 
-def save_steps(root, steps=(1, 2)) -> dict[int, Problem]:
-    """Train a Problem, saving each of ``steps`` into ``root``; the training state at each
-    step, as a Problem holding it."""
+def save_steps(root, steps=(1, 2), **options) -> dict[int, Problem]:
+    """Train a Problem, saving each of ``steps`` into ``root`` (every one kept; more
+    Checkpointer ``options`` if given); the training state at each step, as a Problem
+    holding it."""
     import copy
 
     p = Problem()
-    ckpt = p.checkpointer(root, keep_last=None)
+    ckpt = p.checkpointer(root, keep_last=None, **options)
     states = {}
     for step in steps:
         p.step()

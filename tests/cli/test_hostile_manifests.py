@@ -1,8 +1,8 @@
 """Hostile manifests (issue 12, item 2): every read command exits 0, 1 or 2, no traceback.
 
-A manifest mutated and re-sealed (``tests/manifest_fuzz.py``, ``tests/tamper.py``) is either refused as
-damaged (exit 1, the reason on stderr or in the report) or, when the mutation left a
-valid manifest, read as usual; a command never dies with a traceback.
+A manifest mutated (``tests/manifest_fuzz.py``) and re-sealed (``tests/tamper.py``) is
+either refused as damaged (exit 1, the reason on stderr or in the report) or, when the
+mutation left a valid manifest, read as usual; a command never dies with a traceback.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from cli.conftest import run_cli, run_json
-from conftest import Problem
+from conftest import Problem, save_steps
 
 TINY = Path(__file__).parents[1] / "e2e" / "scripts" / "tiny_train.py"
 
@@ -26,12 +26,7 @@ TINY = Path(__file__).parents[1] / "e2e" / "scripts" / "tiny_train.py"
 @pytest.fixture(scope="module")
 def mem_run() -> str:
     url = f"memory://unbroken-cli/{uuid.uuid4().hex[:8]}/run"
-    p = Problem()
-    ckpt = p.checkpointer(url, keep_last=None)
-    for step in (1, 2):
-        p.step()
-        ckpt.save(step)
-    ckpt.close()
+    save_steps(url)
     return url
 
 
