@@ -87,6 +87,17 @@ def _one_pass(loader) -> list[torch.Tensor]:
     return [x for (x,) in loader]
 
 
+def _resumes_in_epoch_1(fresh_accelerator, tmp_path, straight: list[torch.Tensor]) -> None:
+    """A fresh Accelerator's loader restored from ``tmp_path`` is in epoch 1, and its
+    next pass is ``straight`` (the straight loader's epoch 1)."""
+    _, _, resumed = _prepare(acc := fresh_accelerator())
+    ckpt = checkpointer_for(acc, tmp_path)
+    ckpt.restore()
+    assert resumed.iteration == 1
+    assert all(map(torch.equal, _one_pass(resumed), straight))
+    ckpt.close()
+
+
 def test_a_loader_saved_after_its_pass_ended_resumes_in_the_next_epoch(fresh_accelerator, tmp_path):
     """The epoch counted once: saved after the ``for`` loop ran to its end, the restored
     loader's next pass is the straight loader's next pass (epoch 1's shuffle), not epoch 2's."""
@@ -95,14 +106,7 @@ def test_a_loader_saved_after_its_pass_ended_resumes_in_the_next_epoch(fresh_acc
     ckpt = checkpointer_for(acc, tmp_path)
     ckpt.save(1)
     ckpt.close()
-    straight = _one_pass(loader)
-
-    _, _, resumed = _prepare(acc := fresh_accelerator())
-    ckpt = checkpointer_for(acc, tmp_path)
-    ckpt.restore()
-    assert resumed.iteration == 1
-    assert all(map(torch.equal, _one_pass(resumed), straight))
-    ckpt.close()
+    _resumes_in_epoch_1(fresh_accelerator, tmp_path, straight=_one_pass(loader))
 
 
 def test_a_loader_saved_on_its_last_batch_resumes_in_the_next_epoch(fresh_accelerator, tmp_path):
@@ -114,13 +118,7 @@ def test_a_loader_saved_on_its_last_batch_resumes_in_the_next_epoch(fresh_accele
         if acc.gradient_state.end_of_dataloader:
             ckpt.save(1)
     ckpt.close()
-    straight = _one_pass(loader)
-
-    _, _, resumed = _prepare(acc := fresh_accelerator())
-    ckpt = checkpointer_for(acc, tmp_path)
-    ckpt.restore()
-    assert all(map(torch.equal, _one_pass(resumed), straight))
-    ckpt.close()
+    _resumes_in_epoch_1(fresh_accelerator, tmp_path, straight=_one_pass(loader))
 
 
 def test_a_left_out_loader_keeps_the_random_draws_of_its_passes(fresh_accelerator, tmp_path):
