@@ -101,6 +101,19 @@ def save_steps(root, steps=(1, 2), **options) -> dict[int, Problem]:
     return states
 
 
+def restore_skipping(root, skipped, to: int):
+    """A fresh Problem restored from ``root`` (latest): step ``to``, its report's first
+    warnings naming the damaged checkpoints of the ``skipped`` steps, newest first;
+    (the Problem, the report)."""
+    fresh = Problem(seed=1)
+    report = fresh.checkpointer(root).restore()
+    assert report.step == to
+    assert [w.split(":")[0] for w in report.warnings[: len(skipped)]] == [
+        f"skipped the damaged checkpoint of step {step}" for step in skipped
+    ]
+    return fresh, report
+
+
 def assert_same_training_state(a: Problem, b: Problem) -> None:
     """Model and optimizer state equal bit for bit, dtypes included."""
     sa, sb = a.model.state_dict(), b.model.state_dict()

@@ -12,7 +12,7 @@ import xxhash
 
 import tamper
 import unbroken as ub
-from conftest import Problem, assert_same_training_state
+from conftest import Problem, assert_same_training_state, restore_skipping, save_steps
 
 
 def _two_saves(ckpt_dir, **kwargs) -> Problem:
@@ -220,23 +220,11 @@ def test_restore_latest_falls_back_past_a_damaged_checkpoint(ckpt_dir):
     """Designed behaviour: with no step given, a damaged newest checkpoint (detected before
     any live object is touched) is skipped with a warning and the newest sound one is
     restored; a step asked for explicitly never falls back."""
-    saved = Problem()
-    ckpt = saved.checkpointer(ckpt_dir, keep_last=None)
-    for step in (1, 2, 3):
-        saved.step()
-        ckpt.save(step)
-        if step == 1:
-            at_step_1 = {k: v.clone() for k, v in saved.model.state_dict().items()}
+    at_step_1 = save_steps(ckpt_dir, (1, 2, 3))[1].model.state_dict()
     for step in (2, 3):
         shard = _shard(ckpt_dir, step)
         shard.write_bytes(_flip(shard.read_bytes(), 100))
-    fresh = Problem(seed=1)
-    report = fresh.checkpointer(ckpt_dir).restore()
-    assert report.step == 1
-    assert [w.split(":")[0] for w in report.warnings[:2]] == [
-        "skipped the damaged checkpoint of step 3",
-        "skipped the damaged checkpoint of step 2",
-    ]
+    fresh, _ = restore_skipping(ckpt_dir, [3, 2], to=1)
     for k, v in fresh.model.state_dict().items():
         assert torch.equal(v, at_step_1[k]), k
     with pytest.raises(ub.CorruptCheckpointError, match="step_00000003"):
