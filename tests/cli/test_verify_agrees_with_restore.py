@@ -40,8 +40,9 @@ def _link_folder(step, outside):
     return step.name
 
 
-@pytest.mark.parametrize("link", [_link_shard, _link_manifest, _link_folder],
-                         ids=["shard", "manifest", "step-folder"])  # fmt: skip
+@pytest.mark.parametrize(
+    "link", [_link_shard, _link_manifest, _link_folder], ids=["shard", "manifest", "step-folder"]
+)
 def test_symbolic_links_fail_verify_as_they_fail_restore(run, tmp_path, link):
     """A shard, the manifest or the step folder replaced by a symbolic link to an
     identical copy outside: restore refuses it and verify fails naming it."""

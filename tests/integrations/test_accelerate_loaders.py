@@ -44,12 +44,10 @@ def test_a_script_with_an_evaluation_loader_resumes_bit_exact(tmp_path, loaders,
     """Both bugs above, end to end: step 30 falls mid-epoch after three evaluations; step
     16 is an epoch's last step, whose evaluation runs before the save. The resumed run's
     training and evaluation losses and its final state equal the straight run's."""
-    done = subprocess.run(
-        [sys.executable, "-m", "unbroken.cli", "resume-test", "--stop-at", str(stop_at),
-         "--workdir", str(tmp_path), "--json", "--timeout", "120", "--parallel", "--",
-         sys.executable, str(SCRIPT), "{dir}", "--loaders", loaders],
-        capture_output=True, text=True, timeout=400, env=ENV, cwd=ROOT,
-    )  # fmt: skip
+    cli = [sys.executable, "-m", "unbroken.cli", "resume-test", "--stop-at", str(stop_at)]
+    cli += ["--workdir", str(tmp_path), "--json", "--timeout", "120", "--parallel"]
+    command = [*cli, "--", sys.executable, str(SCRIPT), "{dir}", "--loaders", loaders]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=ENV, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout)
     assert result["passed"] and result["compared_steps"] > 0, result

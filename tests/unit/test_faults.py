@@ -148,9 +148,16 @@ def _first_tensor(doc):
         (lambda d: d.update(format_version=99), "format_version"),
         (lambda d: _first_tensor(d)["chunks"][0].update(offset=10**12), "beyond the end"),
     ],
-    ids=["absurd-shape", "absurd-length", "traversal-in-chunk", "traversal-in-files",
-         "bad-dtype", "future-format", "offset-past-end"],
-)  # fmt: skip
+    ids=[
+        "absurd-shape",
+        "absurd-length",
+        "traversal-in-chunk",
+        "traversal-in-files",
+        "bad-dtype",
+        "future-format",
+        "offset-past-end",
+    ],
+)
 def test_hostile_manifest_is_refused(ckpt_dir, edit, match):
     _saved(ckpt_dir)
     tamper.edit(ckpt_dir / "step_00000001", edit)  # re-sealed: a checksum is no defence

@@ -36,12 +36,21 @@ def _chunk(key: str, **change):
 
 
 HOSTILE = [
-    ("meta-without-live-counterpart", lambda d: d["tensors"][RNG].update(device="meta"),
-     f"{RNG}/device"),
-    ("meta-with-live-counterpart", lambda d: d["tensors"][EXP_AVG].update(device="meta"),
-     f"{EXP_AVG}/device"),
-    ("meta-model", lambda d: d["tensors"]["model/inp.bias"].update(device="meta"),
-     "model/inp.bias/device"),
+    (
+        "meta-without-live-counterpart",
+        lambda d: d["tensors"][RNG].update(device="meta"),
+        f"{RNG}/device",
+    ),
+    (
+        "meta-with-live-counterpart",
+        lambda d: d["tensors"][EXP_AVG].update(device="meta"),
+        f"{EXP_AVG}/device",
+    ),
+    (
+        "meta-model",
+        lambda d: d["tensors"]["model/inp.bias"].update(device="meta"),
+        "model/inp.bias/device",
+    ),
     ("device-index", lambda d: d["tensors"][RNG].update(device="cuda:99"), f"{RNG}/device"),
     ("unknown-device", lambda d: d["tensors"][RNG].update(device="warp9"), f"{RNG}/device"),
     ("format-version-negative", lambda d: d.update(format_version=-1), "format_version"),
@@ -50,7 +59,7 @@ HOSTILE = [
     ("length-bool", _chunk("model/out.bias", length=True), "model/out.bias/chunks/0"),
     ("lineage-run", lambda d: d["lineage"][0].update(run=5), "lineage/0/run"),
     ("lineage-skipped", lambda d: d["lineage"][0].update(skipped="model"), "lineage/0/skipped"),
-]  # fmt: skip
+]
 
 
 def _hostile(saved, tmp_path, edit) -> ub.Checkpointer:

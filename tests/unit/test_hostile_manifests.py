@@ -155,25 +155,42 @@ def test_fuzzed_manifests_raise_only_checkpoint_errors_and_touch_nothing(pristin
         (lambda d: d["components"]["scheduler"].update(per_rank="no"), "per_rank"),
         (lambda d: d["components"]["rng"].update(ranks={"0": {}, "7": {}}), "ranks"),
         (lambda d: d["components"]["model"].update(parameters="inp.bias"), "parameters"),
-        (lambda d: d["components"]["optimizer"]["state"].update(param_groups={}),
-         "param_groups"),
-        (lambda d: d["components"]["optimizer"]["state"]["state"].update(bogus={}),
-         "no param group"),
-        (lambda d: d["components"]["scheduler"]["state"].update(x={"__ub__": "quaternion"}),
-         "newer unbroken"),
+        (lambda d: d["components"]["optimizer"]["state"].update(param_groups={}), "param_groups"),
+        (
+            lambda d: d["components"]["optimizer"]["state"]["state"].update(bogus={}),
+            "no param group",
+        ),
+        (
+            lambda d: d["components"]["scheduler"]["state"].update(x={"__ub__": "quaternion"}),
+            "newer unbroken",
+        ),
         (lambda d: d["components"]["scheduler"]["state"].update(x={"__ub__": "tuple"}), "items"),
-        (lambda d: d["components"]["scheduler"]["state"].update(
-            x={"__ub__": "set", "items": [{"__ub__": "tuple", "items": [[1]]}]}), "set member"),
-        (lambda d: d["components"]["scheduler"]["state"].update(
-            x={"__ub__": "dtype", "name": "_dynamo"}), "dtype"),
-        (lambda d: d["components"]["scheduler"]["state"].update(
-            x={"__ub__": "ndarray", "dtype": "<U99999", "shape": [10**6], "data": []}),
-         "ndarray"),
-        (lambda d: d["components"]["scheduler"]["state"].update(
-            x={"__ub__": "ndarray", "dtype": "(1000000000,)f8", "shape": [1], "data": [1]}),
-         "ndarray"),
+        (
+            lambda d: d["components"]["scheduler"]["state"].update(
+                x={"__ub__": "set", "items": [{"__ub__": "tuple", "items": [[1]]}]}
+            ),
+            "set member",
+        ),
+        (
+            lambda d: d["components"]["scheduler"]["state"].update(
+                x={"__ub__": "dtype", "name": "_dynamo"}
+            ),
+            "dtype",
+        ),
+        (
+            lambda d: d["components"]["scheduler"]["state"].update(
+                x={"__ub__": "ndarray", "dtype": "<U99999", "shape": [10**6], "data": []}
+            ),
+            "ndarray",
+        ),
+        (
+            lambda d: d["components"]["scheduler"]["state"].update(
+                x={"__ub__": "ndarray", "dtype": "(1000000000,)f8", "shape": [1], "data": [1]}
+            ),
+            "ndarray",
+        ),
     ],
-)  # fmt: skip
+)
 def test_malformed_field_is_refused_naming_it(pristine, tmp_path, edit, match):
     """Each field the library reads, malformed and re-sealed: CorruptCheckpointError
     naming the field, before anything live is touched (and the fallback is tried)."""

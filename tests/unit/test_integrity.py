@@ -39,7 +39,7 @@ def _shard(ckpt_dir, step=2):
         (lambda f: (f.parent / "manifest.json").write_text("{not json"), "not valid JSON"),
     ],
     ids=["truncated", "missing", "bit-flip", "extra-file", "manifest-altered", "manifest-garbage"],
-)  # fmt: skip
+)
 def test_damaged_checkpoint_is_refused_naming_the_file(ckpt_dir, damage, match):
     _two_saves(ckpt_dir)
     damage(_shard(ckpt_dir))

@@ -64,8 +64,12 @@ def test_channels_last_and_transposed_state_resume_bit_exact(tmp_path, fused):
     model2, opt2 = _build(1, fused)  # different initial weights, empty optimizer
     report = ub.Checkpointer(tmp_path, model=model2, optimizer=opt2).restore()
     assert report.verified
-    layouts = [(v.stride(), p.stride()) for p in model2.parameters() for v in opt2.state[p].values()
-               if v.dim()]  # fmt: skip
+    layouts = [
+        (v.stride(), p.stride())
+        for p in model2.parameters()
+        for v in opt2.state[p].values()
+        if v.dim()
+    ]
     resumed = _train(model2, opt2, 6, 6)
     assert resumed == straight[6:]
     for a, b in zip(straight_model.parameters(), model2.parameters(), strict=True):

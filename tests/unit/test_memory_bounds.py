@@ -96,8 +96,9 @@ def _sparse_shard(folder: Path) -> None:
     numel = 64 * 2**20  # 256 MiB of float32, in a file that takes a few KiB on disk
     entry = doc["tensors"]["optimizer/state/inp.bias/step"]
     entry.update(shape=[numel], stride=[1])
-    entry["chunks"] = [dict(entry["chunks"][0], offsets=[0], sizes=[numel], offset=end,
-                            length=numel * 4)]  # fmt: skip
+    entry["chunks"] = [
+        dict(entry["chunks"][0], offsets=[0], sizes=[numel], offset=end, length=numel * 4)
+    ]
     doc["files"]["rank_00000.bin"]["size"] = end + numel * 4
     os.truncate(shard, end + numel * 4)
     tamper.write(folder, doc)
@@ -115,8 +116,8 @@ def test_hostile_checkpoints_are_refused_before_their_memory_is_spent(tmp_path):
     assert _restore(sound) == "restored" and _verify(sound) == ""
     baseline = {op: _peak_growth(op, sound)[0] for op in (_restore, _verify)}
     results = {}
-    for name, spoil in (("world", _huge_world), ("padded", _padded_manifest),
-                        ("sparse", _sparse_shard)):  # fmt: skip
+    spoilers = {"world": _huge_world, "padded": _padded_manifest, "sparse": _sparse_shard}
+    for name, spoil in spoilers.items():
         folder = _saved(tmp_path / name)
         spoil(folder)
         for op in (_restore, _verify):

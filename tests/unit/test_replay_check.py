@@ -177,10 +177,10 @@ def test_steps_a_run_withdrew_are_no_reference(ckpt_dir):
     lines = [json.loads(x) for x in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]
     segment = lines[0]["segment"]
     with open(ckpt_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps({"segment": segment, "step": 7,
-                            "metrics": {"loss": 123.0, "weight_norm": 1.0}}) + "\n")  # fmt: skip
-        f.write(json.dumps({"segment": segment, "retracted": True, "kept_upto": 6,
-                            "reason": "another run committed"}) + "\n")  # fmt: skip
+        metrics = {"loss": 123.0, "weight_norm": 1.0}
+        f.write(json.dumps({"segment": segment, "step": 7, "metrics": metrics}) + "\n")
+        withdrawn = {"retracted": True, "kept_upto": 6, "reason": "another run committed"}
+        f.write(json.dumps({"segment": segment, **withdrawn}) + "\n")
     q, ckpt, start = _resume(ckpt_dir)
     assert start == 5 and ckpt.replay.recorded_steps == 1  # step 6 only: 7 and 8 withdrawn
     _train(ckpt, q, start, 8)

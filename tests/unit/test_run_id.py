@@ -183,8 +183,8 @@ def _two_ranks(rank: int, world: int, folder: str) -> dict:
     with ub.Checkpointer(folder, model=model, trackers=[again]) as ckpt:
         ckpt.restore()
         resumed = ckpt.run_id
-    return {"minted": minted, "fresh": fresh, "resumed": resumed,
-            "calls": first.calls + again.calls}  # fmt: skip
+    calls = first.calls + again.calls
+    return {"minted": minted, "fresh": fresh, "resumed": resumed, "calls": calls}
 
 
 @pytest.mark.distributed
@@ -197,6 +197,6 @@ def test_ranks_agree_on_rank_0s_id_and_only_rank_0_forwards(tmp_path):
     assert r0["fresh"] == r1["fresh"] == r0["minted"] == _saved_run(tmp_path, 2)
     assert r0["resumed"] == r1["resumed"] == r0["minted"]
     run_id = r0["minted"]
-    assert r0["calls"] == [f"start {run_id} 0 0", "log 1", "log 2", "close",
-                           f"start {run_id} 2 2", "verdict none", "close"]  # fmt: skip
+    first = [f"start {run_id} 0 0", "log 1", "log 2", "close"]
+    assert r0["calls"] == [*first, f"start {run_id} 2 2", "verdict none", "close"]
     assert r1["calls"] == []

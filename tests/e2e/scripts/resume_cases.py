@@ -94,9 +94,15 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
     batches, progress = Batches(x, y, 16), Progress(args.lost_counter)
     ckpt = ub.Checkpointer(
-        args.dir, model=model, optimizer=opt, scheduler=sched, dataloader=batches,
-        extra={"progress": progress}, keep_last=None, overwrite=args.overwrite,
-    )  # fmt: skip
+        args.dir,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        dataloader=batches,
+        extra={"progress": progress},
+        keep_last=None,
+        overwrite=args.overwrite,
+    )
     start = ckpt.restore().step
     if start and start == args.reseed_on_resume_from:
         torch.manual_seed(0)  # the bug: the restored RNG state is lost

@@ -100,18 +100,18 @@ def main(argv: list[str] | None = None) -> None:
     with checkpointer_for(accelerator, args.dir) as ckpt:
         report = ckpt.restore(reset={"rng", "dataloader"} if args.reset else None)
         if report.restored:
-            fsdp_common.write(args.dump, f"restored-step{report.step}", {
+            restored = {
                 "report": fsdp_common.report_fields(report),
                 "lr": sched.get_last_lr(),
                 "accelerator_step": accelerator.step,
                 "wrapped": type(model).__name__,
                 "parameters": fsdp_common.parameter_kinds(opt.optimizer),
                 **fsdp_common.full_state(model, opt.optimizer),
-            })  # fmt: skip
+            }
+            fsdp_common.write(args.dump, f"restored-step{report.step}", restored)
         step = train(accelerator, ckpt, model, opt, loader, sched, report.step, args.steps)
-    fsdp_common.write(args.dump, f"end-step{step}", {
-        "lr": sched.get_last_lr(), **fsdp_common.full_state(model, opt.optimizer),
-    })  # fmt: skip
+    end = {"lr": sched.get_last_lr(), **fsdp_common.full_state(model, opt.optimizer)}
+    fsdp_common.write(args.dump, f"end-step{step}", end)
 
 
 def train(accelerator, ckpt, model, opt, loader, sched, step: int, steps: int) -> int:

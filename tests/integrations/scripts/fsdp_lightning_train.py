@@ -96,9 +96,12 @@ class Regressor(L.LightningModule):
     def train_dataloader(self) -> StatefulDataLoader:
         data = fsdp_common.dataset()
         sampler = DistributedSampler(
-            data, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
-            shuffle=True, seed=7,
-        )  # fmt: skip
+            data,
+            num_replicas=self.trainer.world_size,
+            rank=self.trainer.global_rank,
+            shuffle=True,
+            seed=7,
+        )
         return StatefulDataLoader(data, batch_size=16, sampler=sampler)
 
 
