@@ -102,11 +102,9 @@ def run(framework: Framework, version: int, work: Path) -> dict[str, Any]:
 def saved_and_restored(runs: dict[str, Any], framework: Framework) -> tuple[dict, dict]:
     """The 2-rank stopped run's gathered state at its save, and the resumed run's right
     after its restore."""
-    dumps = runs["work"] / "resumed.dump"
-    stop_at = framework.stop_at
-    return load_dump(dumps / f"end-step{stop_at}.pt"), load_dump(
-        dumps / f"restored-step{stop_at}.pt"
-    )
+    dumps, stop_at = runs["work"] / "resumed.dump", framework.stop_at
+    saved = load_dump(dumps / f"end-step{stop_at}.pt")
+    return saved, load_dump(dumps / f"restored-step{stop_at}.pt")
 
 
 def check_resume(runs: dict[str, Any], framework: Framework) -> dict:
