@@ -141,7 +141,7 @@ def two_jobs(rng: random.Random) -> str | None:
 
     def paused(self, step, lineage):  # the second lists, then the first saves whole
         check(self, step, lineage)
-        if self is second._claim and not errors and not won:
+        if self is second._run.claim and not errors and not won:
             try:
                 first.save(step)
                 won.append("first")

@@ -82,13 +82,14 @@ def s3_server():
         s.stop()
 
 
-def save_steps(root, steps=(1, 2)) -> dict[int, Problem]:
-    """Train a Problem, saving each of ``steps`` into ``root``; the training state at each
-    step, as a Problem holding it."""
+def save_steps(root, steps=(1, 2), **options) -> dict[int, Problem]:
+    """Train a Problem, saving each of ``steps`` into ``root`` (every one kept; more
+    Checkpointer ``options`` if given); the training state at each step, as a Problem
+    holding it."""
     import copy
 
     p = Problem()
-    ckpt = p.checkpointer(root, keep_last=None)
+    ckpt = p.checkpointer(root, keep_last=None, **options)
     states = {}
     for step in steps:
         p.step()
@@ -98,6 +99,19 @@ def save_steps(root, steps=(1, 2)) -> dict[int, Problem]:
         states[step].opt.load_state_dict(copy.deepcopy(p.opt.state_dict()))
     ckpt.close()
     return states
+
+
+def restore_skipping(root, skipped, to: int):
+    """A fresh Problem restored from ``root`` (latest): step ``to``, its report's first
+    warnings naming the damaged checkpoints of the ``skipped`` steps, newest first;
+    (the Problem, the report)."""
+    fresh = Problem(seed=1)
+    report = fresh.checkpointer(root).restore()
+    assert report.step == to
+    assert [w.split(":")[0] for w in report.warnings[: len(skipped)]] == [
+        f"skipped the damaged checkpoint of step {step}" for step in skipped
+    ]
+    return fresh, report
 
 
 def assert_same_training_state(a: Problem, b: Problem) -> None:

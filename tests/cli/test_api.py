@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import tamper
 import unbroken as ub
 from conftest import Problem
 
@@ -70,8 +71,7 @@ def test_inspect_errors_and_damage(run, tmp_path):
         ub.inspect_checkpoint(tmp_path / "nowhere")
     with pytest.raises(ub.CheckpointNotFoundError, match="step 3 is not a committed"):
         ub.inspect_checkpoint(run, step=3)
-    manifest = run / "step_00000004" / "manifest.json"
-    manifest.write_text(manifest.read_text().replace('"world_size": 1', '"world_size": 2'))
+    tamper.alter(run / "step_00000004", '"world_size": 1', '"world_size": 2')
     listing = ub.inspect_checkpoint(run)  # listed, not raised
     assert [s.step for s in listing.unreadable] == [4]
     assert "fails its checksum" in listing.unreadable[0].error

@@ -1,8 +1,8 @@
 """Hostile manifests (issue 12, item 2): every read command exits 0, 1 or 2, no traceback.
 
-A manifest mutated and re-sealed (see ``tests/manifest_fuzz.py``) is either refused as
-damaged (exit 1, the reason on stderr or in the report) or, when the mutation left a
-valid manifest, read as usual; a command never dies with a traceback.
+A manifest mutated (``tests/manifest_fuzz.py``) and re-sealed (``tests/tamper.py``) is
+either refused as damaged (exit 1, the reason on stderr or in the report) or, when the
+mutation left a valid manifest, read as usual; a command never dies with a traceback.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import traceback
 import pytest
 
 import manifest_fuzz as fuzz
+import tamper
 from conftest import Problem
 from unbroken.errors import CheckpointError
 from unbroken.format import manifest
@@ -54,12 +55,12 @@ def test_read_commands_never_crash_on_fuzzed_manifests(pristine, tmp_path):
     exits 1 on a manifest the library refuses."""
     run = tmp_path / "run"
     shutil.copytree(pristine, run)
-    doc = fuzz.load(pristine / "step_00000002")
+    doc = tamper.read(pristine / "step_00000002")
     rng = random.Random(SEED)
     refused = 0
     for i in range(CASES):
         what, hostile = fuzz.mutated(doc, rng)
-        (run / "step_00000002" / "manifest.json").write_text(fuzz.text(hostile))
+        tamper.write(run / "step_00000002", hostile)
         try:
             manifest.read(run / "step_00000002")
             damaged = False

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+import tamper
 import unbroken as ub
 
 from .conftest import run_cli, run_json
@@ -112,8 +113,7 @@ def test_damaged_manifest_exits_1(tmp_path, single_run):
 
     run = tmp_path / "run"
     shutil.copytree(single_run, run)
-    manifest = run / "step_00000004" / "manifest.json"
-    manifest.write_text(manifest.read_text().replace('"step": 4', '"step": 5'))
+    tamper.alter(run / "step_00000004", '"step": 4', '"step": 5')
     result = run_cli("inspect", run, "--step", 4)
     assert result.exit_code == 1
     assert result.stderr.startswith("CorruptCheckpointError:") and "manifest.json" in result.stderr

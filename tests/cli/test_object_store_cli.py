@@ -18,8 +18,7 @@ import pytest
 from safetensors.torch import load_file
 
 from cli.conftest import run_cli, run_json
-from conftest import Problem
-from s3_server import S3Server
+from conftest import Problem, save_steps
 
 TINY = Path(__file__).parents[1] / "e2e" / "scripts" / "tiny_train.py"
 
@@ -27,12 +26,7 @@ TINY = Path(__file__).parents[1] / "e2e" / "scripts" / "tiny_train.py"
 @pytest.fixture(scope="module")
 def mem_run() -> str:
     url = f"memory://unbroken-cli/{uuid.uuid4().hex[:8]}/run"
-    p = Problem()
-    ckpt = p.checkpointer(url, keep_last=None)
-    for step in (1, 2):
-        p.step()
-        ckpt.save(step)
-    ckpt.close()
+    save_steps(url)
     return url
 
 
@@ -61,6 +55,13 @@ def test_diff_and_export_take_urls(mem_run, tmp_path):
     assert "out.weight" in load_file(target)
 
 
+@pytest.fixture(scope="module")
+def s3(s3_server):
+    """The module's S3 server (moto on loopback) with a bucket ``cli``."""
+    s3_server.bucket("cli")
+    return s3_server
+
+
 def test_missing_url_is_named_as_given(mem_run):
     """Guarantee: a URL that holds nothing is named as a URL, exit code 2."""
     result = run_cli("inspect", mem_run + "-nothing")
@@ -68,61 +69,52 @@ def test_missing_url_is_named_as_given(mem_run):
     assert "memory:///unbroken-cli/" in result.stderr and "does not exist" in result.stderr
 
 
-def test_real_command_on_s3(tmp_path):
+def test_real_command_on_s3(s3):
     """Guarantee: the installed command on an s3:// URL (moto on loopback) lists and
     verifies the checkpoint, and names a missing prefix as the URL it is."""
-    server = S3Server()
-    try:
-        server.bucket("cli")
-        with server.environment() as env:
-            p = Problem()
-            p.step()
-            p.checkpointer("s3://cli/run1").save(1)
-        cmd = [sys.executable, "-m", "unbroken.cli"]
-        full = {**os.environ, **env}
-        listed = subprocess.run([*cmd, "inspect", "s3://cli/run1", "--json"], env=full,
-                                capture_output=True, text=True)  # fmt: skip
-        assert listed.returncode == 0, listed.stderr
-        assert [c["step"] for c in json.loads(listed.stdout)["checkpoints"]] == [1]
-        ok = subprocess.run([*cmd, "verify", "s3://cli/run1"], env=full, capture_output=True)
-        assert ok.returncode == 0, ok.stderr
-        gone = subprocess.run([*cmd, "inspect", "s3://cli/nope"], env=full,
-                              capture_output=True, text=True)  # fmt: skip
-        assert gone.returncode == 2 and "s3://cli/nope does not exist" in gone.stderr
-    finally:
-        server.stop()
+    with s3.environment() as env:
+        p = Problem()
+        p.step()
+        p.checkpointer("s3://cli/run1").save(1)
+    cmd = [sys.executable, "-m", "unbroken.cli"]
+    full = {**os.environ, **env}
+    listed = subprocess.run(
+        [*cmd, "inspect", "s3://cli/run1", "--json"], env=full, capture_output=True, text=True
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert [c["step"] for c in json.loads(listed.stdout)["checkpoints"]] == [1]
+    ok = subprocess.run([*cmd, "verify", "s3://cli/run1"], env=full, capture_output=True)
+    assert ok.returncode == 0, ok.stderr
+    gone = subprocess.run(
+        [*cmd, "inspect", "s3://cli/nope"], env=full, capture_output=True, text=True
+    )
+    assert gone.returncode == 2 and "s3://cli/nope does not exist" in gone.stderr
 
 
-def test_resume_test_and_plot_on_s3(tmp_path):
+def test_resume_test_and_plot_on_s3(tmp_path, s3):
     """Guarantee: ``resume-test --store`` runs the training with its checkpoints and
     metrics record on S3 (moto on loopback) and proves the resume identical over the
     steps recorded there; ``plot`` draws a run straight from its URL."""
-    server = S3Server()
-    try:
-        server.bucket("cli")
-        with server.environment() as env:
-            full = {**os.environ, **env}
-            work = tmp_path / "work"
-            cmd = [sys.executable, "-m", "unbroken.cli"]
-            done = subprocess.run(
-                [*cmd, "resume-test", "--stop-at", "13", "--workdir", str(work), "--json",
-                 "--store", "s3://cli/rt", "--parallel", "--", sys.executable, str(TINY),
-                 "{dir}", "--steps", "25"],
-                env=full, capture_output=True, text=True, timeout=300,
-            )  # fmt: skip
-            assert done.returncode == 0, done.stderr[-3000:]
-            result = json.loads(done.stdout)
-            assert result["passed"] and result["compared_steps"] == 12
-            assert result["resumed_dir"] == "s3://cli/rt/resumed"
-            assert not (work / "resumed").exists()  # the checkpoints went to the store
-            png = tmp_path / "m.png"  # the rest in-process: no interpreter start-ups
-            plotted = run_cli("plot", "s3://cli/rt/resumed", "--out", png)
-            assert plotted.exit_code == 0, plotted.stdout + plotted.stderr
-            assert "1 resume(s)" in plotted.stdout and png.stat().st_size > 10_000
-            again = run_cli("resume-test", "--stop-at", "13", "--workdir", tmp_path / "w2",
-                            "--store", "s3://cli/rt", "--", sys.executable, TINY, "{dir}")  # fmt: skip
-            assert again.exit_code == 2 and "is not empty" in again.stderr
-            nothing = run_cli("plot", "s3://cli/none")
-            assert nothing.exit_code == 2 and "s3://cli/none/metrics/" in nothing.stderr
-    finally:
-        server.stop()
+    with s3.environment() as env:
+        full = {**os.environ, **env}
+        work = tmp_path / "work"
+        cmd = [sys.executable, "-m", "unbroken.cli", "resume-test", "--stop-at", "13"]
+        cmd += ["--workdir", str(work), "--json", "--store", "s3://cli/rt", "--parallel"]
+        cmd += ["--", sys.executable, str(TINY), "{dir}", "--steps", "25"]
+        done = subprocess.run(cmd, env=full, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout)
+        assert result["passed"] and result["compared_steps"] == 12
+        assert result["resumed_dir"] == "s3://cli/rt/resumed"
+        assert not (work / "resumed").exists()  # the checkpoints went to the store
+        png = tmp_path / "m.png"  # the rest in-process: no interpreter start-ups
+        plotted = run_cli("plot", "s3://cli/rt/resumed", "--out", png)
+        assert plotted.exit_code == 0, plotted.stdout + plotted.stderr
+        assert "1 resume(s)" in plotted.stdout and png.stat().st_size > 10_000
+        store = ["--workdir", tmp_path / "w2", "--store", "s3://cli/rt"]
+        again = run_cli(
+            "resume-test", "--stop-at", "13", *store, "--", sys.executable, TINY, "{dir}"
+        )
+        assert again.exit_code == 2 and "is not empty" in again.stderr
+        nothing = run_cli("plot", "s3://cli/none")
+        assert nothing.exit_code == 2 and "s3://cli/none/metrics/" in nothing.stderr

@@ -5,16 +5,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from processes import free_port
 
 
 def _worker(fn, rank, world, port, args, queue) -> None:
@@ -54,7 +49,7 @@ def run(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 240) ->
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world, port, args, queue)) for r in range(world)
     ]

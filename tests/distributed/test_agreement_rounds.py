@@ -255,15 +255,15 @@ def test_a_sharded_value_that_misses_its_fingerprint_is_refused_on_every_rank(
     the restore is refused on every rank before anything live changes. The manifest's
     fingerprint of one sharded weight is altered (and the manifest re-sealed), its bytes
     and checksums left intact: what a read into the wrong place would look like."""
-    import manifest_fuzz as fuzz
+    import tamper
 
     path = tmp_path / "c"
     shutil.copytree(fsdp2_saved, path)
     folder = path / "step_00000002"
-    doc = fuzz.load(folder)
+    doc = tamper.read(folder)
     key = next(k for k, e in doc["tensors"].items() if k.endswith("weight") and "stride" not in e)
     doc["tensors"][key]["fingerprint"] = "0123456789abcdef"
-    (folder / "manifest.json").write_text(fuzz.text(doc))
+    tamper.write(folder, doc)
     for r in launcher.run(_restore_fsdp2, world, str(path)):
         assert "CorruptCheckpointError" in r["outcome"], r
         assert f"{key}: the loaded value does not match its saved fingerprint" in r["outcome"], r

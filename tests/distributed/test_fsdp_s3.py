@@ -9,25 +9,19 @@ from __future__ import annotations
 
 import pytest
 
-from s3_server import S3Server
-
 from . import launcher, models
-from .test_fsdp_reshard import _restore_on_fsdp
+from .test_fsdp_reshard import restored_in_one_process, restored_on_three
 
 pytestmark = pytest.mark.distributed
 URL = "s3://fsdp/run"
 
 
 @pytest.fixture(scope="module")
-def saved_on_two():
-    server = S3Server()
-    server.bucket("fsdp")
-    try:
-        with server.environment():  # spawned ranks inherit it
-            want = launcher.run(models.save_trained_fsdp, 2, URL)[0]
-            yield server, want
-    finally:
-        server.stop()
+def saved_on_two(s3_server):
+    s3_server.bucket("fsdp")
+    with s3_server.environment():  # spawned ranks inherit it
+        want = launcher.run(models.save_trained_fsdp, 2, URL)[0]
+        yield s3_server, want
 
 
 def test_each_rank_uploads_its_shard_rank0_commits(saved_on_two):
@@ -43,23 +37,10 @@ def test_each_rank_uploads_its_shard_rank0_commits(saved_on_two):
 def test_two_ranks_to_three(saved_on_two):
     """Guarantee: bit-exact restore from S3 resharded onto 3 ranks."""
     _, want = saved_on_two
-    results = launcher.run(_restore_on_fsdp, 3, URL)
-    for r in results:
-        assert r["report"].resharded and r["report"].verified
-        assert r["report"].saved_world_size == 2 and r["report"].world_size == 3
-    models.assert_same_full_state(results[0]["full"], want)
+    restored_on_three(URL, want)
 
 
 def test_two_ranks_to_one_process(saved_on_two):
     """Guarantee: bit-exact restore from S3 into one unsharded process."""
-    import unbroken as ub
-
     _, want = saved_on_two
-    model, opt = models.build(seed=123)
-    report = ub.Checkpointer(URL, model=model, optimizer=opt).restore(reset={"rng"})
-    assert report.resharded and report.verified and report.world_size == 1
-    got = {
-        "model": model.state_dict(),
-        "optimizer": {fqn: opt.state[p] for fqn, p in model.named_parameters()},
-    }
-    models.assert_same_full_state(got, want)
+    restored_in_one_process(URL, want)

@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from s3_server import S3Server
+from processes import descendants, free_port
 
 pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).parent / "scripts" / "many_nodes_train.py"
@@ -34,16 +33,10 @@ TIMEOUT_S = 120  # per launch, all agents together
 URL = "s3://nodes/run"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(nodes: int, args: list[str], logs: Path, env: dict[str, str] | None = None) -> None:
     """``nodes`` torchrun agents of one job, one process each; raise with every agent's
     log unless all exit 0 within ``TIMEOUT_S``."""
-    endpoint, job = f"127.0.0.1:{_free_port()}", uuid.uuid4().hex
+    endpoint, job = f"127.0.0.1:{free_port()}", uuid.uuid4().hex
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("UNBROKEN_")}
     full_env.update(OMP_NUM_THREADS="1", **(env or {}))
     logs.mkdir(parents=True, exist_ok=True)
@@ -52,17 +45,17 @@ def _launch(nodes: int, args: list[str], logs: Path, env: dict[str, str] | None 
     try:
         for node in range(nodes):
             log = logs / f"node_{node}.log"
-            cmd = [sys.executable, "-m", "torch.distributed.run",
-                   "--nnodes", str(nodes), "--nproc-per-node", "1",
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job,
-                   # node 0 hosts the rendezvous store; the others connect to it
-                   "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
-                   "--max-restarts", "0", "--monitor-interval", "0.1",
-                   str(SCRIPT), *args]  # fmt: skip
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes)]
+            cmd += ["--nproc-per-node", "1", "--rdzv-backend", "c10d"]
+            cmd += ["--rdzv-endpoint", endpoint, "--rdzv-id", job]
+            # node 0 hosts the rendezvous store; the others connect to it
+            cmd += ["--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1"]
+            cmd += ["--max-restarts", "0", "--monitor-interval", "0.1", str(SCRIPT), *args]
             with log.open("w") as out:
-                agents.append((subprocess.Popen(cmd, env=full_env, stdout=out,
-                                                stderr=subprocess.STDOUT, start_new_session=True),
-                               log))  # fmt: skip
+                agent = subprocess.Popen(
+                    cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            agents.append((agent, log))
         deadline = time.monotonic() + TIMEOUT_S
         for agent, _ in agents:
             agent.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -72,7 +65,7 @@ def _launch(nodes: int, args: list[str], logs: Path, env: dict[str, str] | None 
         running = [a.pid for a, _ in agents if a.poll() is None]
         # Each worker is in a session of its own (torchrun starts it so): kill them by
         # id, found before their agent dies, then each agent's group.
-        for pid in [p for agent in running for p in _descendants(agent)] + running:
+        for pid in [p for agent in running for p in descendants(agent)] + running:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         for agent, _ in agents:
@@ -83,24 +76,6 @@ def _launch(nodes: int, args: list[str], logs: Path, env: dict[str, str] | None 
             f"--- node {n} exited with {rc} ---\n{log.read_text()[-4000:]}" for n, rc, log in failed
         )
         raise AssertionError(f"{nodes} node(s) running {args}{late}:\n{shown}")
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (children, their children, ...), from /proc."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            parents.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        found += kids
-        todo += kids
-    return found
 
 
 def _records(out: Path, world: int) -> list[dict]:
@@ -129,15 +104,12 @@ def _full(out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def store():
-    """moto's S3 server on loopback; the agents find it through the environment
-    (``S3Server.env``), as tests/distributed/test_fsdp_s3.py points its ranks at it."""
-    server = S3Server()
-    try:
-        server.bucket("nodes")
-        yield server
-    finally:
-        server.stop()
+def store(s3_server):
+    """moto's S3 server on loopback with a bucket ``nodes``; the agents find it through
+    the environment (``S3Server.env``), as tests/distributed/test_fsdp_s3.py points its
+    ranks at it."""
+    s3_server.bucket("nodes")
+    return s3_server
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +119,8 @@ def saved_on_two_nodes(tmp_path_factory, store) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("many_nodes")
     ckpt, saved = root / "ckpt", root / "saved"
     saved.mkdir()
-    _launch(2, [str(ckpt), URL, "--out", str(saved), "--steps", str(STEPS)], saved / "logs",
-            store.env)  # fmt: skip
+    args = [str(ckpt), URL, "--out", str(saved), "--steps", str(STEPS)]
+    _launch(2, args, saved / "logs", store.env)
     records = _records(saved, 2)
     assert sorted(r["node"] for r in records) == [0, 1]  # one rank per node
     for r in records:
@@ -165,9 +137,8 @@ def _resume(folder: str, nodes: int, saved: Path, out: Path, env: dict[str, str]
         assert r["restored"] and r["step"] == STEPS, r
         assert r["verified"] and r["resharded"], r
         assert (r["saved_world_size"], r["world_size"]) == (2, nodes), r
-        assert r["components"] == {
-            "model": "restored", "optimizer": "restored", "scheduler": "restored", "rng": "reset"
-        }, r  # fmt: skip
+        restored = {"model": "restored", "optimizer": "restored", "scheduler": "restored"}
+        assert r["components"] == {**restored, "rng": "reset"}, r
         assert r["last_epoch"] == STEPS, r
     _assert_same(_full(out), _full(saved))
 
@@ -176,9 +147,8 @@ def test_two_nodes_write_one_folder(saved_on_two_nodes):
     """Each node's rank writes its own shard into the shared folder; one manifest."""
     ckpt, _ = saved_on_two_nodes
     step = ckpt / f"step_{STEPS:08d}"
-    assert sorted(p.name for p in step.iterdir()) == [
-        "manifest.json", "rank_00000.bin", "rank_00001.bin"
-    ]  # fmt: skip
+    files = ["manifest.json", "rank_00000.bin", "rank_00001.bin"]
+    assert sorted(p.name for p in step.iterdir()) == files
     assert json.loads((step / "manifest.json").read_text())["world_size"] == 2
 
 

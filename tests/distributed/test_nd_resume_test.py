@@ -6,20 +6,14 @@ outside, on a learnable task)."""
 
 from __future__ import annotations
 
-import socket
-import sys
 from pathlib import Path
 
 import pytest
 
+from processes import torchrun
+
 pytestmark = pytest.mark.distributed
 SCRIPT = Path(__file__).parent / "scripts" / "nd_train.py"
-
-
-def _port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 # Expert parallel is resumed bit for bit in test_expert_parallel.py (kept out here for CI time).
@@ -27,9 +21,7 @@ def _port() -> str:
 def test_resume_test_is_identical_under_torchrun(tmp_path, layout):
     from unbroken.testing import resume_test
 
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
-                "--master_port", _port(), str(SCRIPT), "{dir}", "--layout", layout,
-                "--steps", "4"]  # fmt: skip
-    result = resume_test(torchrun, stop_at=2, workdir=tmp_path, plot=False, timeout=240)
+    command = torchrun(4, SCRIPT, "{dir}", "--layout", layout, "--steps", "4")
+    result = resume_test(command, stop_at=2, workdir=tmp_path, plot=False, timeout=240)
     assert result.exact, str(result)
     assert result.compared_steps == 2

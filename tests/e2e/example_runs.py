@@ -6,13 +6,14 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from processes import torchrun
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "examples" / "gpt" / "train.py"
@@ -41,12 +42,6 @@ SETUPS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclasses.dataclass
 class Run:
     """Where one invocation of the example wrote its checkpoints, metrics and state."""
@@ -68,10 +63,6 @@ def train(
     env: dict[str, str] | None = None,
 ) -> Run:
     """Run the example once (under torchrun for several ranks); raise if it fails."""
-    launcher = [sys.executable]
-    if setup.ranks > 1:
-        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(setup.ranks)]
-        launcher += ["--master_port", str(free_port())]
     args = [str(TRAIN), "--ckpt-dir", str(run.ckpt_dir), "--out", str(run.out)]
     args += ["--steps", str(setup.steps), "--save-every", str(setup.save_every)]
     args += ["--windows", str(setup.windows), "--data-dir", str(data_dir)]
@@ -81,8 +72,9 @@ def train(
         args += ["--final-state", str(run.final_state)]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith(("UNBROKEN_", "EXAMPLE_"))}
     full_env.update(OMP_NUM_THREADS="1", **(env or {}))
+    command = torchrun(setup.ranks, *args) if setup.ranks > 1 else [sys.executable, *args]
     proc = subprocess.run(
-        launcher + args,
+        command,
         env=full_env,
         cwd=REPO,
         capture_output=True,
@@ -91,7 +83,7 @@ def train(
     )
     if proc.returncode != 0:
         raise AssertionError(
-            f"{' '.join(launcher + args)} exited with {proc.returncode}\n"
+            f"{' '.join(command)} exited with {proc.returncode}\n"
             f"--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     run.stderr = proc.stderr

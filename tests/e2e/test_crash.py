@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import torch
 from torch import nn
 
 import unbroken as ub
+from processes import children, free_port, torchrun
 from unbroken.testing import compare
 
 pytestmark = pytest.mark.e2e
@@ -55,10 +55,8 @@ def test_sigkill_at_random_instants_of_save(tmp_path):
     folder = tmp_path / "ckpts"
     restored = []
     for _ in range(6):
-        proc = subprocess.Popen(
-            [sys.executable, str(SCRIPTS / "save_forever.py"), str(folder)],
-            stdout=subprocess.PIPE, text=True, env=_env(),
-        )  # fmt: skip
+        command = [sys.executable, str(SCRIPTS / "save_forever.py"), str(folder)]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_env())
         _wait_for_line(proc, "saved")
         time.sleep(rng.uniform(0.0, 0.4))
         proc.kill()
@@ -67,17 +65,11 @@ def test_sigkill_at_random_instants_of_save(tmp_path):
     assert restored == sorted(restored)  # every restart went on from the latest
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigkill_of_one_rank_of_two_during_save(tmp_path):
     rng = random.Random(7)
     folder = tmp_path / "ckpts"
     for _ in range(3):
-        port = str(_free_port())
+        port = str(free_port())
         procs = [
             subprocess.Popen(
                 [sys.executable, str(SCRIPTS / "save_forever.py"), str(folder)],
@@ -104,33 +96,19 @@ def jobs():
     yield started
     for job in started:
         if job.poll() is None:
-            for pid in _children(job.pid):
+            for pid in children(job.pid):
                 os.kill(pid, signal.SIGKILL)
             job.kill()
             job.wait()
 
 
 def _torchrun(folder: Path, steps: int, jobs: list, **env: str) -> subprocess.Popen:
-    jobs.append(subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(_free_port()), str(SCRIPTS / "tiny_train.py"), str(folder),
-         "--steps", str(steps)],
-        env=_env(**env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    ))  # fmt: skip
+    command = torchrun(2, SCRIPTS / "tiny_train.py", folder, "--steps", str(steps))
+    job = subprocess.Popen(
+        command, env=_env(**env), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    jobs.append(job)
     return jobs[-1]
-
-
-def _children(pid: int) -> list[int]:
-    kids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                kids.append(int(entry.name))
-    return kids
 
 
 def test_sigterm_to_a_torchrun_job_saves_and_resumes_exactly(tmp_path, jobs):
@@ -148,7 +126,7 @@ def test_sigterm_to_a_torchrun_job_saves_and_resumes_exactly(tmp_path, jobs):
         assert time.monotonic() < deadline and job.poll() is None
         time.sleep(0.1)  # wait for the first checkpoint (step 10)
     time.sleep(0.35)
-    for pid in _children(job.pid):
+    for pid in children(job.pid):
         os.kill(pid, signal.SIGTERM)
     assert job.wait(timeout=120) == 0, job.stderr.read()
     stopped_at = ub.Checkpointer(preempted, model=nn.Linear(1, 1)).latest_step()
@@ -161,10 +139,8 @@ def test_sigterm_to_a_torchrun_job_saves_and_resumes_exactly(tmp_path, jobs):
 
 def test_crash_after_async_save_returned_keeps_the_previous_latest(tmp_path):
     folder = tmp_path / "ckpts"
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPTS / "async_crash.py"), str(folder)],
-        stdout=subprocess.PIPE, text=True, env=_env(),
-    )  # fmt: skip
+    command = [sys.executable, str(SCRIPTS / "async_crash.py"), str(folder)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_env())
     _wait_for_line(proc, "returned")
     proc.kill()  # save(2) returned, its background write has not committed
     proc.wait()

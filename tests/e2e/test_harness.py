@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from processes import torchrun
 from unbroken.testing import assert_resumes_exactly, compare, resume_test
 
 pytestmark = pytest.mark.e2e
@@ -45,15 +45,13 @@ def test_a_bug_of_the_second_resume_needs_two_stops(tmp_path):
     """Stopped at 8, resumed and stopped at 16, resumed to the end: a bug of the second
     resume only (the RNG state lost when resuming from step 16) is found, and named as
     appearing after it; the checkpoints both runs kept show the state identical at 16."""
-    result = resume_test(
-        [sys.executable, CASES, "{dir}", "--steps", "20", "--reseed-on-resume-from", "16"],
-        stop_at=[8, 16], workdir=tmp_path, parallel=True, plot=False,
-    )  # fmt: skip
+    command = [sys.executable, CASES, "{dir}", "--steps", "20", "--reseed-on-resume-from", "16"]
+    result = resume_test(command, stop_at=[8, 16], workdir=tmp_path, parallel=True, plot=False)
     assert result.verdict == "DIFFERENT" and result.resumed_from == [8, 16]
     assert result.first_difference_step == 17 and result.first_difference_resume == 2
     assert "(after the 2nd resume, from step 16)" in str(result)
-    assert result.cause.startswith("the checkpoints are identical at step 16, where the run "
-                                   "stopped, and differ at step 20, after the 2nd resume")  # fmt: skip
+    cause = "the checkpoints are identical at step 16, where the run stopped, and differ at "
+    assert result.cause.startswith(cause + "step 20, after the 2nd resume")
     assert "torch CPU" in result.cause and "python random" in result.cause  # left out
     saved = json.loads((tmp_path / "resume-test.json").read_text())
     assert saved["stop_at"] == 8 and saved["stops"] == [8, 16]
@@ -81,11 +79,7 @@ def test_resume_on_another_world_size_reports_the_deviation(tmp_path):
     exact (verified by the library, or the run fails); the losses after it differ (each
     rank now sees other data, from the start) and the harness reports by how much; the
     verdict is the tolerance the caller chose."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    resume = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-              "--master_port", port, SCRIPT, "{dir}", "--steps", "30"]  # fmt: skip
+    resume = torchrun(2, SCRIPT, "{dir}", "--steps", "30")
     result = resume_test(
         [sys.executable, SCRIPT, "{dir}", "--steps", "30"],
         stop_at=15,
@@ -101,8 +95,8 @@ def test_resume_on_another_world_size_reports_the_deviation(tmp_path):
     assert result.compared_steps == 15
     assert result.max_deviation["loss"] > 0
     assert "CLOSE" in str(result) and "max |straight - resumed| of loss" in str(result)
-    strict = compare(tmp_path / "straight", tmp_path / "resumed", stop_at=15, exact=False,
-                     tolerance=1e-6)  # fmt: skip
+    runs = (tmp_path / "straight", tmp_path / "resumed")
+    strict = compare(*runs, stop_at=15, exact=False, tolerance=1e-6)
     assert not strict.passed and strict.first_difference.startswith("step 16,")
 
 
@@ -114,18 +108,26 @@ def test_failed_plot_shows_the_difference_and_the_first_differing_step(tmp_path)
     from unbroken.proof.plotting import plot_resume_test
 
     straight = Series({"loss": [(s, 1.0 / s) for s in range(1, 31)]}, resumes=[], warnings=[])
-    resumed = Series({"loss": [(s, 1.0 / s + (0.0 if s < 19 else 1e-6 * 2**s))
-                               for s in range(1, 31)]}, resumes=[17], warnings=[])  # fmt: skip
+    apart = [(s, 1.0 / s + (0.0 if s < 19 else 1e-6 * 2**s)) for s in range(1, 31)]
+    resumed = Series({"loss": apart}, resumes=[17], warnings=[])
     with matplotlib.rc_context({"svg.fonttype": "none"}):  # text stays readable text
-        out = plot_resume_test(straight, resumed, tmp_path / "p.svg", stop_at=17,
-                               title="resume test: FAILED", first_difference=19)  # fmt: skip
+        title = "resume test: FAILED"
+        out = plot_resume_test(
+            straight, resumed, tmp_path / "p.svg", stop_at=17, title=title, first_difference=19
+        )
     svg = Path(out).read_text()
     assert "resumed - straight" in svg and "symlog" in svg
     assert "first difference (19)" in svg and "stop (17)" in svg
 
 
-def _run(folder: Path, *, stop: int | None = None, extra_draw: bool = False,
-         seed: int = 0, steps: int = 4) -> None:  # fmt: skip
+def _run(
+    folder: Path,
+    *,
+    stop: int | None = None,
+    extra_draw: bool = False,
+    seed: int = 0,
+    steps: int = 4,
+) -> None:
     """A tiny in-process training run with tracked losses; stopped at ``stop`` and resumed
     if given; ``extra_draw`` draws once more from torch's RNG before the last save."""
     from conftest import Problem
@@ -148,16 +150,16 @@ def test_report_across_world_sizes_does_not_contradict_itself(tmp_path):
     the tolerance the metrics were held to."""
     _run(tmp_path / "straight")
     _run(tmp_path / "resumed", stop=2, seed=1)  # other weights: as on another size
-    result = compare(tmp_path / "straight", tmp_path / "resumed", stop_at=2, exact=False,
-                     tolerance=100.0)  # fmt: skip
+    runs = (tmp_path / "straight", tmp_path / "resumed")
+    result = compare(*runs, stop_at=2, exact=False, tolerance=100.0)
     text = str(result)
     assert result.passed and "CLOSE" in text
     assert "every tensor's fingerprint identical" not in text
     assert result.state_differences and "model/inp.weight: differs" in text
-    assert (f"final state: {len(result.state_differences)} difference(s) in "
-            f"{result.state_compared} tensor(s) and the non-tensor state") in text  # fmt: skip
-    assert "tolerance: each metric after the stop may differ from the straight run's by up " \
-           "to 100 x |straight value|" in text  # fmt: skip
+    counted = f"{len(result.state_differences)} difference(s) in {result.state_compared}"
+    assert f"final state: {counted} tensor(s) and the non-tensor state" in text
+    tolerance = "tolerance: each metric after the stop may differ from the straight run's by up"
+    assert f"{tolerance} to 100 x |straight value|" in text
     assert "health check" not in text  # nothing here comes from the health check
 
 
@@ -198,11 +200,12 @@ def test_parallel_runs_the_straight_and_stopped_runs_at_the_same_time(tmp_path):
     run one after the other they could not finish; the verdict is the sequential one."""
     script = tmp_path / "rendezvous_then_train.py"
     body = Path(SCRIPT).read_text().replace("from __future__ import annotations\n", "")
-    script.write_text(RENDEZVOUS + body, encoding="utf-8")
+    helpers = f"sys.path.insert(0, {str(Path(__file__).parents[1])!r})\n"  # tests/, for the copy
+    script.write_text(RENDEZVOUS + helpers + body, encoding="utf-8")
     work = tmp_path / "work"
+    command = [sys.executable, str(script), "{dir}", "--steps", "20"]
     result = assert_resumes_exactly(
-        [sys.executable, str(script), "{dir}", "--steps", "20"],
-        stop_at=9, workdir=work, plot=False, parallel=True, timeout=120,
-    )  # fmt: skip
+        command, stop_at=9, workdir=work, plot=False, parallel=True, timeout=120
+    )
     assert result.compared_steps == 11
     assert (tmp_path / "straight.started").exists() and (tmp_path / "stopped.started").exists()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from accelerate.state import AcceleratorState
 from accelerate.utils import DataLoaderConfiguration
 from torch import nn
 
+from processes import accelerate_launch
 from unbroken.integrations.accelerate import checkpointer_for
 from unbroken.testing import compare
 
@@ -34,22 +34,16 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNI
 STEPS = ["--steps", "24"]
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _resume_test(
     workdir: Path, stop_at: int, *command: str, parallel: bool = False
 ) -> subprocess.CompletedProcess:
     # --parallel only for one process: two launches side by side would share a port.
+    cli = [sys.executable, "-m", "unbroken.cli", "resume-test", "--stop-at", str(stop_at)]
+    cli += ["--workdir", str(workdir), "--json", "--timeout", "120"]
+    cli += ["--parallel"] if parallel else []
     return subprocess.run(
-        [sys.executable, "-m", "unbroken.cli", "resume-test", "--stop-at", str(stop_at),
-         "--workdir", str(workdir), "--json", "--timeout", "120",
-         *(["--parallel"] if parallel else []), "--", *command],
-        capture_output=True, text=True, timeout=400, env=ENV, cwd=ROOT,
-    )  # fmt: skip
+        [*cli, "--", *command], capture_output=True, text=True, timeout=400, env=ENV, cwd=ROOT
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +71,7 @@ def test_two_processes_under_accelerate_launch_resume_bit_exact(tmp_path):
     """F1/F3 under DDP (``accelerate launch``, 2 processes, gloo): stopped mid-epoch
     (step 13 of 8-step epochs, so inside epoch 1), each rank's loader position, epoch and
     RNG and the shared model/optimizer/scheduler come back exactly."""
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-              "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-              "--dynamo_backend", "no", "--main_process_port", _free_port()]  # fmt: skip
-    done = _resume_test(tmp_path, 13, *launch, str(EXAMPLE), "{dir}", *STEPS)
+    done = _resume_test(tmp_path, 13, *accelerate_launch(2, EXAMPLE, "{dir}", *STEPS))
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout)
     assert result["passed"] and result["compared_steps"] == 11, result
@@ -93,15 +84,12 @@ def test_a_resume_without_the_loader_epoch_is_caught(one_process, tmp_path):
     ``accelerator.save_state`` keeps of a stateful loader) lacks the epoch counter that
     seeds the shuffle. Restoring the position without it replays epoch 0's order in
     epoch 1; the comparison with the straight run names the first step after the stop."""
+    command = [sys.executable, str(LOST_EPOCH), str(tmp_path), *STEPS]
     stopped = subprocess.run(
-        [sys.executable, str(LOST_EPOCH), str(tmp_path), *STEPS],
-        env={**ENV, "UNBROKEN_STOP_AT": "16"}, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        command, env={**ENV, "UNBROKEN_STOP_AT": "16"}, capture_output=True, text=True, timeout=120
+    )
     assert stopped.returncode == 0, stopped.stderr
-    resumed = subprocess.run(
-        [sys.executable, str(LOST_EPOCH), str(tmp_path), *STEPS],
-        env=ENV, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    resumed = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
     result = compare(one_process / "straight", tmp_path, stop_at=16, exact=True)
     assert not result.passed
@@ -202,11 +190,8 @@ def test_custom_objects_and_accumulation_counter_round_trip(accelerator_factory,
     batches = None  # a new process would hold no iterator either
     with checkpointer_for(acc, tmp_path) as ckpt:
         report = ckpt.restore()
-    assert report.components == {
-        "model": "restored", "optimizer": "restored", "scheduler": "restored",
-        "accelerator": "restored", "custom_0": "restored", "dataloader": "restored",
-        "rng": "restored",
-    }  # fmt: skip
+    names = ["model", "optimizer", "scheduler", "accelerator", "custom_0", "dataloader", "rng"]
+    assert report.components == dict.fromkeys(names, "restored")
     assert acc.step == saved_step == 4 and sched.get_last_lr() == saved_lr
     assert torch.equal(counter.seen, torch.full((3,), 4.0))
     assert torch.equal(model.weight, expected["weight"])

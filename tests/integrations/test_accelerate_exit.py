@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from processes import accelerate_launch
 
 from .recipes import write_recipe
 
@@ -31,19 +31,10 @@ BOUND_S = 120  # one run takes 6-10 s on 2 idle cores
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def _launch(script: Path, folder: Path) -> subprocess.CompletedProcess:
     """One 2-process run; on overrunning its bound, the launcher and its workers (one
     process group) are killed and the test fails naming the run."""
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
-               "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-               "--dynamo_backend", "no", "--main_process_port", _free_port(),
-               str(script), str(folder)]  # fmt: skip
+    command = accelerate_launch(2, script, folder)
     proc = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,

@@ -17,29 +17,15 @@ without ``reset``, then with it). The reference for a restore is the state torch
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from accelerate.state import AcceleratorState
 
-import unbroken as ub
-from unbroken.testing import resume_test
-
-from .fsdp_runs import SCRIPTS, load_dump, load_script, torchrun
+from . import fsdp_runs
+from .fsdp_runs import SCRIPTS, Framework, load_script
 
 pytestmark = pytest.mark.e2e
-SCRIPT = SCRIPTS / "fsdp_accelerate_train.py"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-STEPS, STOP_AT = 10, 5  # 8 steps an epoch on 2 ranks: the resumed run crosses an epoch
-# What prepare() made of the model, and the classes of the parameters the optimizer it
-# hands over holds, by FSDP version (0: the plain process).
-WRAPPED = {0: "Net", 1: "FullyShardedDataParallel", 2: "FSDPNet"}
-PARAMETERS = {0: ["Parameter"], 1: ["FlatParameter"], 2: ["DTensor"]}
-
-
-common = load_script("fsdp_common")
 script = load_script("fsdp_accelerate_train")
 
 
@@ -54,36 +40,27 @@ def _one_plain_process(argv: list[str]) -> None:
             AcceleratorState._reset_state(True)
 
 
+ACCELERATE = Framework(
+    script=SCRIPTS / "fsdp_accelerate_train.py",
+    env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    steps=10,
+    stop_at=5,  # 8 steps an epoch on 2 ranks: the resumed run crosses an epoch
+    world_args=lambda ranks: [],  # torchrun's world size is Accelerate's
+    in_process=_one_plain_process,
+    # What prepare() made of the model, and the classes of the parameters the optimizer it
+    # hands over holds, by FSDP version (0: the plain process).
+    wrapped={0: "Net", 1: "FullyShardedDataParallel", 2: "FSDPNet"},
+    parameters={0: ["Parameter"], 1: ["FlatParameter"], 2: ["DTensor"]},
+)
+STEPS, STOP_AT = ACCELERATE.steps, ACCELERATE.stop_at
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["fsdp1", "fsdp2"])
 def runs(request, tmp_path_factory) -> dict:
     """One FSDP version's runs: the resume test's result and dumps, and the restores of
     its step-``STOP_AT`` checkpoint on 3 ranks (FSDP) and on one process (plain)."""
     version = request.param
-    work = tmp_path_factory.mktemp(f"accelerate-fsdp{version}")
-    args = ["--fsdp", str(version), "--steps", str(STEPS)]
-    result = resume_test(
-        [*torchrun(SCRIPT, 2), "{dir}", *args, "--dump", "{dir}.dump"],
-        stop_at=STOP_AT, workdir=work, env=ENV, plot=False, timeout=240,
-    )  # fmt: skip
-    saved = work / "resumed" / f"step_{STOP_AT:08d}"
-    resharded = {}
-    for ranks in (3, 1):
-        folder = work / f"on-{ranks}"
-        shutil.copytree(saved, folder / saved.name)
-        if ranks == 1:
-            argv = [str(folder), "--fsdp", "0", "--steps", str(STEPS), "--dump", f"{folder}.dump"]
-            with pytest.raises(ub.IncompleteCheckpointError) as refused:
-                _one_plain_process(argv)  # without reset: the per-rank state has no owner
-            _one_plain_process([*argv, "--reset"])
-        else:
-            done = subprocess.run(
-                [*torchrun(SCRIPT, ranks), str(folder), *args, "--reset", "--dump", f"{folder}.dump"],
-                env=ENV, capture_output=True, text=True, timeout=240,
-            )  # fmt: skip
-            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        resharded[ranks] = folder
-    return {"version": version, "result": result, "work": work, "resharded": resharded,
-            "refused": str(refused.value)}  # fmt: skip
+    return fsdp_runs.run(ACCELERATE, version, tmp_path_factory.mktemp(f"accelerate-fsdp{version}"))
 
 
 def test_two_ranks_resume_bit_exact(runs):
@@ -91,25 +68,22 @@ def test_two_ranks_resume_bit_exact(runs):
     scheduler): stopped at step 5 and resumed on 2 ranks, every tracked loss and grad norm
     after it and every final tensor equal the straight run's, bit for bit; the model
     really was FSDP-wrapped by ``prepare``, with the optimizer over FSDP's parameters."""
-    result, version = runs["result"], runs["version"]
-    assert result.verdict == "IDENTICAL", str(result)
-    assert result.compared_steps == STEPS - STOP_AT
-    assert {"loss", "grad_norm"} <= set(result.metrics)
-    restored = load_dump(runs["work"] / "resumed.dump" / f"restored-step{STOP_AT}.pt")
-    assert restored["wrapped"] == WRAPPED[version]
-    assert restored["parameters"] == PARAMETERS[version]
+    restored = fsdp_runs.check_resume(runs, ACCELERATE)
     assert restored["report"]["components"] == {
-        "model": "restored", "optimizer": "restored", "scheduler": "restored",
-        "accelerator": "restored", "dataloader": "restored", "rng": "restored",
-    }  # fmt: skip
+        "model": "restored",
+        "optimizer": "restored",
+        "scheduler": "restored",
+        "accelerator": "restored",
+        "dataloader": "restored",
+        "rng": "restored",
+    }
 
 
 def test_two_ranks_restore_the_gathered_state(runs):
     """F2 at the same world size: the restored shards, gathered by torch, are the
     stopped run's gathered state at its save (model and AdamW moments and step)."""
-    saved = load_dump(runs["work"] / "resumed.dump" / f"end-step{STOP_AT}.pt")
-    restored = load_dump(runs["work"] / "resumed.dump" / f"restored-step{STOP_AT}.pt")
-    assert common.differences(restored, saved) == []
+    saved, restored = fsdp_runs.saved_and_restored(runs, ACCELERATE)
+    assert fsdp_runs.common.differences(restored, saved) == []
 
 
 @pytest.mark.parametrize("ranks", [3, 1])
@@ -120,21 +94,17 @@ def test_reshards_from_two_ranks(runs, ranks):
     every model and optimizer tensor bit-equal to the gathered saved state; per-rank RNG
     and loader position are reset as asked, the rest restored, and training goes on to
     the last step."""
-    version, folder = runs["version"], runs["resharded"][ranks]
-    saved = load_dump(runs["work"] / "resumed.dump" / f"end-step{STOP_AT}.pt")
-    restored = load_dump(Path(f"{folder}.dump") / f"restored-step{STOP_AT}.pt")
-    report = restored["report"]
-    assert report["resharded"] and report["verified"]
-    assert (report["saved_world_size"], report["world_size"]) == (2, ranks)
-    assert report["components"] == {
-        "model": "restored", "optimizer": "restored", "scheduler": "restored",
-        "accelerator": "restored", "dataloader": "reset", "rng": "reset",
-    }  # fmt: skip
-    kind = version if ranks > 1 else 0
-    assert restored["wrapped"] == WRAPPED[kind]
-    assert restored["parameters"] == PARAMETERS[kind]
-    assert common.differences(restored, saved) == []
-    assert restored["lr"] == saved["lr"] and restored["accelerator_step"] == 2 * STOP_AT
+    components = {
+        "model": "restored",
+        "optimizer": "restored",
+        "scheduler": "restored",
+        "accelerator": "restored",
+        "dataloader": "reset",
+        "rng": "reset",
+    }
+    _, restored = fsdp_runs.check_reshard(runs, ACCELERATE, ranks, components)
+    assert restored["accelerator_step"] == 2 * STOP_AT
+    folder = runs["resharded"][ranks]
     assert (Path(f"{folder}.dump") / f"end-step{STEPS}.pt").exists()
 
 
@@ -142,6 +112,4 @@ def test_another_world_size_without_reset_is_refused(runs):
     """F3 (per-rank state silently mis-assigned or dropped): restoring the 2-rank
     checkpoint on one process without ``reset`` is refused before anything changes,
     naming the per-rank components and the ``reset=`` that starts them fresh."""
-    message = runs["refused"]
-    assert "per-rank state saved by 2 rank(s), not mappable onto 1" in message, message
-    assert "reset={" in message and "'rng'" in message and "'dataloader'" in message
+    fsdp_runs.check_refusal(runs["refused"])

@@ -44,12 +44,10 @@ def test_a_script_with_an_evaluation_loader_resumes_bit_exact(tmp_path, loaders,
     """Both bugs above, end to end: step 30 falls mid-epoch after three evaluations; step
     16 is an epoch's last step, whose evaluation runs before the save. The resumed run's
     training and evaluation losses and its final state equal the straight run's."""
-    done = subprocess.run(
-        [sys.executable, "-m", "unbroken.cli", "resume-test", "--stop-at", str(stop_at),
-         "--workdir", str(tmp_path), "--json", "--timeout", "120", "--parallel", "--",
-         sys.executable, str(SCRIPT), "{dir}", "--loaders", loaders],
-        capture_output=True, text=True, timeout=400, env=ENV, cwd=ROOT,
-    )  # fmt: skip
+    cli = [sys.executable, "-m", "unbroken.cli", "resume-test", "--stop-at", str(stop_at)]
+    cli += ["--workdir", str(tmp_path), "--json", "--timeout", "120", "--parallel"]
+    command = [*cli, "--", sys.executable, str(SCRIPT), "{dir}", "--loaders", loaders]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=ENV, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout)
     assert result["passed"] and result["compared_steps"] > 0, result
@@ -87,6 +85,17 @@ def _one_pass(loader) -> list[torch.Tensor]:
     return [x for (x,) in loader]
 
 
+def _resumes_in_epoch_1(fresh_accelerator, tmp_path, straight: list[torch.Tensor]) -> None:
+    """A fresh Accelerator's loader restored from ``tmp_path`` is in epoch 1, and its
+    next pass is ``straight`` (the straight loader's epoch 1)."""
+    _, _, resumed = _prepare(acc := fresh_accelerator())
+    ckpt = checkpointer_for(acc, tmp_path)
+    ckpt.restore()
+    assert resumed.iteration == 1
+    assert all(map(torch.equal, _one_pass(resumed), straight))
+    ckpt.close()
+
+
 def test_a_loader_saved_after_its_pass_ended_resumes_in_the_next_epoch(fresh_accelerator, tmp_path):
     """The epoch counted once: saved after the ``for`` loop ran to its end, the restored
     loader's next pass is the straight loader's next pass (epoch 1's shuffle), not epoch 2's."""
@@ -95,14 +104,7 @@ def test_a_loader_saved_after_its_pass_ended_resumes_in_the_next_epoch(fresh_acc
     ckpt = checkpointer_for(acc, tmp_path)
     ckpt.save(1)
     ckpt.close()
-    straight = _one_pass(loader)
-
-    _, _, resumed = _prepare(acc := fresh_accelerator())
-    ckpt = checkpointer_for(acc, tmp_path)
-    ckpt.restore()
-    assert resumed.iteration == 1
-    assert all(map(torch.equal, _one_pass(resumed), straight))
-    ckpt.close()
+    _resumes_in_epoch_1(fresh_accelerator, tmp_path, straight=_one_pass(loader))
 
 
 def test_a_loader_saved_on_its_last_batch_resumes_in_the_next_epoch(fresh_accelerator, tmp_path):
@@ -114,13 +116,7 @@ def test_a_loader_saved_on_its_last_batch_resumes_in_the_next_epoch(fresh_accele
         if acc.gradient_state.end_of_dataloader:
             ckpt.save(1)
     ckpt.close()
-    straight = _one_pass(loader)
-
-    _, _, resumed = _prepare(acc := fresh_accelerator())
-    ckpt = checkpointer_for(acc, tmp_path)
-    ckpt.restore()
-    assert all(map(torch.equal, _one_pass(resumed), straight))
-    ckpt.close()
+    _resumes_in_epoch_1(fresh_accelerator, tmp_path, straight=_one_pass(loader))
 
 
 def test_a_left_out_loader_keeps_the_random_draws_of_its_passes(fresh_accelerator, tmp_path):

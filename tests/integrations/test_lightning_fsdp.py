@@ -18,32 +18,19 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
-import unbroken as ub
 from unbroken.format.series import read_series
 from unbroken.integrations.lightning import UnbrokenCallback
-from unbroken.testing import resume_test
 
-from .fsdp_runs import SCRIPTS, load_dump, load_script, torchrun
+from . import fsdp_runs
+from .fsdp_runs import SCRIPTS, Framework, load_dump, load_script
 
 pytestmark = pytest.mark.e2e
-SCRIPT = SCRIPTS / "fsdp_lightning_train.py"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-STEPS, STOP_AT = 12, 6  # 16 batches an epoch on 2 processes: stopped mid-epoch
-VERSIONS = {1: "fsdp1", 2: "fsdp2"}
-# What ``trainer.model`` is, and the classes of the parameters the optimizer holds, by
-# FSDP version (0: one device without FSDP).
-WRAPPED = {0: "Regressor", 1: "FullyShardedDataParallel", 2: "Regressor"}
-PARAMETERS = {0: ["Parameter"], 1: ["Parameter"], 2: ["DTensor"]}  # FSDP1: use_orig_params
-
-
-common = load_script("fsdp_common")
 script = load_script("fsdp_lightning_train")
+VERSIONS = {1: "fsdp1", 2: "fsdp2"}
 
 
 def _one_device(argv: list[str]) -> None:
@@ -54,38 +41,29 @@ def _one_device(argv: list[str]) -> None:
         script.main(argv)
 
 
-def _run(work: Path, version: int) -> dict:
-    args = ["--fsdp", str(version), "--steps", str(STEPS)]
-    result = resume_test(
-        [*torchrun(SCRIPT, 2), "{dir}", *args, "--devices", "2", "--dump", "{dir}.dump"],
-        stop_at=STOP_AT, workdir=work, env=ENV, plot=False, timeout=240,
-    )  # fmt: skip
-    saved = work / "resumed" / f"step_{STOP_AT:08d}"
-    resharded = {}
-    for devices in (3, 1):
-        folder = work / f"on-{devices}"
-        shutil.copytree(saved, folder / saved.name)
-        dump = ["--dump", f"{folder}.dump"]
-        if devices == 1:
-            argv = [str(folder), "--fsdp", "0", "--steps", str(STEPS), "--devices", "1", *dump]
-            with pytest.raises(ub.IncompleteCheckpointError) as refused:
-                _one_device(argv)  # without reset: the per-rank state has no owner
-            _one_device([*argv, "--reset"])
-        else:
-            done = subprocess.run(
-                [*torchrun(SCRIPT, 3), str(folder), *args, "--devices", "3", "--reset", *dump],
-                env=ENV, capture_output=True, text=True, timeout=240,
-            )  # fmt: skip
-            assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        resharded[devices] = folder
-    return {"result": result, "work": work, "resharded": resharded, "refused": str(refused.value)}
+LIGHTNING = Framework(
+    script=SCRIPTS / "fsdp_lightning_train.py",
+    env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"},
+    steps=12,
+    stop_at=6,  # 16 batches an epoch on 2 processes: stopped mid-epoch
+    world_args=lambda devices: ["--devices", str(devices)],
+    in_process=_one_device,
+    # What ``trainer.model`` is, and the classes of the parameters the optimizer holds, by
+    # FSDP version (0: one device without FSDP).
+    wrapped={0: "Regressor", 1: "FullyShardedDataParallel", 2: "Regressor"},
+    parameters={0: ["Parameter"], 1: ["Parameter"], 2: ["DTensor"]},  # FSDP1: use_orig_params
+)
+STEPS, STOP_AT = LIGHTNING.steps, LIGHTNING.stop_at
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, dict]:
     """Per FSDP version: the resume test's result and dumps, and the restores of its
     step-``STOP_AT`` checkpoint on 3 processes (FSDP) and on one device (plain)."""
-    return {v: _run(tmp_path_factory.mktemp(name), v) for v, name in VERSIONS.items()}
+    return {
+        v: fsdp_runs.run(LIGHTNING, v, tmp_path_factory.mktemp(name))
+        for v, name in VERSIONS.items()
+    }
 
 
 @pytest.mark.parametrize("version", VERSIONS, ids=VERSIONS.values())
@@ -94,13 +72,7 @@ def test_two_processes_resume_bit_exact(runs, version):
     at step 6, mid-epoch, and resumed on 2 processes, every tracked loss and grad norm
     after it and every final tensor equal the straight run's, bit for bit; the strategy
     really sharded the model (FSDP1's wrapper, FSDP2's DTensors)."""
-    result = runs[version]["result"]
-    assert result.verdict == "IDENTICAL", str(result)
-    assert result.compared_steps == STEPS - STOP_AT
-    assert {"loss", "grad_norm"} <= set(result.metrics)
-    restored = load_dump(runs[version]["work"] / "resumed.dump" / f"restored-step{STOP_AT}.pt")
-    assert restored["wrapped"] == WRAPPED[version]
-    assert restored["parameters"] == PARAMETERS[version]
+    restored = fsdp_runs.check_resume(runs[version], LIGHTNING)
     assert set(restored["report"]["components"].values()) == {"restored"}
     assert restored["global_step"] == STOP_AT
 
@@ -109,12 +81,8 @@ def test_two_processes_resume_bit_exact(runs, version):
 def test_two_processes_restore_the_gathered_state(runs, version):
     """F2 at the same world size: the restored shards, gathered by torch, are the stopped
     run's gathered state at its save (model, AdamW moments and step, learning rate)."""
-    dumps = runs[version]["work"] / "resumed.dump"
-    saved, restored = (
-        load_dump(dumps / f"end-step{STOP_AT}.pt"),
-        load_dump(dumps / f"restored-step{STOP_AT}.pt"),
-    )
-    assert common.differences(restored, saved) == []
+    saved, restored = fsdp_runs.saved_and_restored(runs[version], LIGHTNING)
+    assert fsdp_runs.common.differences(restored, saved) == []
     assert restored["lr"] == saved["lr"]
 
 
@@ -128,21 +96,17 @@ def test_reshards_from_two_processes(runs, version, devices):
     fresh, the loop state is restored (step 7 is batch 6 of epoch 0, as Lightning counts;
     the reset loader starts the epoch's data over), and training goes on to the last
     step."""
+    components = {
+        "model": "restored",
+        "optimizer": "restored",
+        "scheduler": "restored",
+        "lightning_loops": "restored",
+        "dataloader": "reset",
+        "rng": "reset",
+    }
+    _, restored = fsdp_runs.check_reshard(runs[version], LIGHTNING, devices, components)
+    assert restored["global_step"] == STOP_AT
     folder = runs[version]["resharded"][devices]
-    saved = load_dump(runs[version]["work"] / "resumed.dump" / f"end-step{STOP_AT}.pt")
-    restored = load_dump(Path(f"{folder}.dump") / f"restored-step{STOP_AT}.pt")
-    report = restored["report"]
-    assert report["resharded"] and report["verified"]
-    assert (report["saved_world_size"], report["world_size"]) == (2, devices)
-    assert report["components"] == {
-        "model": "restored", "optimizer": "restored", "scheduler": "restored",
-        "lightning_loops": "restored", "dataloader": "reset", "rng": "reset",
-    }  # fmt: skip
-    kind = version if devices > 1 else 0
-    assert restored["wrapped"] == WRAPPED[kind]
-    assert restored["parameters"] == PARAMETERS[kind]
-    assert common.differences(restored, saved) == []
-    assert restored["lr"] == saved["lr"] and restored["global_step"] == STOP_AT
     end = load_dump(Path(f"{folder}.dump") / f"end-step{STEPS}.pt")
     assert sorted(end["positions"]) == list(range(STOP_AT + 1, STEPS + 1))
     assert end["positions"][STOP_AT + 1] == (0, STOP_AT)
@@ -167,9 +131,7 @@ def test_another_world_size_without_reset_is_refused(runs, version):
     """F3 (per-rank state silently mis-assigned or dropped): the 2-process checkpoint on
     one device without ``reset`` is refused when training starts, naming the per-rank
     components and the ``reset=`` that starts them fresh (the callback's option too)."""
-    message = runs[version]["refused"]
-    assert "per-rank state saved by 2 rank(s), not mappable onto 1" in message, message
-    assert "reset={" in message and "'rng'" in message and "'dataloader'" in message
+    fsdp_runs.check_refusal(runs[version]["refused"])
 
 
 def test_reset_takes_component_names(tmp_path):

@@ -119,14 +119,19 @@ def test_a_first_save_held_on_the_device_lets_training_go_on_and_stays_exact(
     held_copy["release"].clear()
     held_copy["started"].clear()
     held_copy["log"].clear()
-    at_save = copy.deepcopy(p)
-    ckpt.save(4)
+    _save_and_step_after_the_copy(p, ckpt, 4, copy.deepcopy(p), held_copy, ckpt_dir, seed=5)
+
+
+def _save_and_step_after_the_copy(p, ckpt, step, at_save, held_copy, ckpt_dir, seed) -> None:
+    """Save ``step``, then step while the host copy is held back: the step waits for the
+    copy; closed, the checkpoint restores into a fresh Problem(``seed``) as ``at_save``."""
+    ckpt.save(step)
     assert held_copy["started"].wait(30)
     _release_soon(held_copy)
     p.step()
     assert held_copy["log"] == ["copy started", "copy done", "step"]
     ckpt.close()
-    fresh = Problem(seed=5)
+    fresh = Problem(seed=seed)
     fresh.checkpointer(ckpt_dir).restore()
     assert_same_training_state(at_save, fresh)
 
@@ -145,15 +150,7 @@ def test_no_room_on_the_device_for_the_hold_falls_back_to_waiting(ckpt_dir, held
     at_save = copy.deepcopy(p)
     ckpt = p.checkpointer(ckpt_dir, async_save="overlap")
     p.opt.register_step_post_hook(lambda *a: held_copy["log"].append("step"))
-    ckpt.save(1)
-    assert held_copy["started"].wait(30)
-    _release_soon(held_copy)
-    p.step()
-    assert held_copy["log"] == ["copy started", "copy done", "step"]
-    ckpt.close()
-    fresh = Problem(seed=4)
-    fresh.checkpointer(ckpt_dir).restore()
-    assert_same_training_state(at_save, fresh)
+    _save_and_step_after_the_copy(p, ckpt, 1, at_save, held_copy, ckpt_dir, seed=4)
 
 
 class TwoOptimizers:

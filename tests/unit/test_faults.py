@@ -4,7 +4,6 @@ deletion. The last committed checkpoint always survives and nothing unsafe is re
 from __future__ import annotations
 
 import errno
-import json
 import os
 import subprocess
 import uuid
@@ -12,9 +11,10 @@ import uuid
 import pytest
 import torch
 
+import tamper
 import unbroken as ub
 from conftest import Problem
-from unbroken.format import manifest, shard_writer, shards
+from unbroken.format import shard_writer, shards
 from unbroken.storage.locate import checkpoint_dir
 
 
@@ -133,15 +133,6 @@ def test_a_restore_does_not_clean_a_partial_save_in_progress(ckpt_dir):
 # Hostile checkpoints --------------------------------------------------------------------
 
 
-def _rewrite_manifest(ckpt_dir, step, edit):
-    folder = ckpt_dir / f"step_{step:08d}"
-    doc = json.loads((folder / "manifest.json").read_text())
-    doc.pop("manifest_checksum")
-    edit(doc)
-    doc["manifest_checksum"] = manifest._digest(doc)  # re-sealed: a checksum is no defence
-    (folder / "manifest.json").write_text(json.dumps(doc))
-
-
 def _first_tensor(doc):
     return doc["tensors"]["model/inp.weight"]
 
@@ -157,12 +148,19 @@ def _first_tensor(doc):
         (lambda d: d.update(format_version=99), "format_version"),
         (lambda d: _first_tensor(d)["chunks"][0].update(offset=10**12), "beyond the end"),
     ],
-    ids=["absurd-shape", "absurd-length", "traversal-in-chunk", "traversal-in-files",
-         "bad-dtype", "future-format", "offset-past-end"],
-)  # fmt: skip
+    ids=[
+        "absurd-shape",
+        "absurd-length",
+        "traversal-in-chunk",
+        "traversal-in-files",
+        "bad-dtype",
+        "future-format",
+        "offset-past-end",
+    ],
+)
 def test_hostile_manifest_is_refused(ckpt_dir, edit, match):
     _saved(ckpt_dir)
-    _rewrite_manifest(ckpt_dir, 1, edit)
+    tamper.edit(ckpt_dir / "step_00000001", edit)  # re-sealed: a checksum is no defence
     with pytest.raises(ub.CorruptCheckpointError, match=match):
         Problem().checkpointer(ckpt_dir).restore(step=1)
 

@@ -9,15 +9,13 @@ prove it") fails loudly, and nothing live changes.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
+import tamper
 import unbroken as ub
 from conftest import Problem, assert_same_training_state
 from unbroken.format import fingerprint as fp
-from unbroken.format import manifest
 from unbroken.tools.comparison import diff
 from unbroken.tools.verification import verify_folder as audit
 
@@ -33,16 +31,11 @@ def _trained(ckpt_dir, steps: int = 3) -> Problem:
 
 
 def _doc(ckpt_dir, step: int = 3) -> dict:
-    return json.loads((ckpt_dir / f"step_{step:08d}" / "manifest.json").read_text())
+    return tamper.read(ckpt_dir / f"step_{step:08d}")
 
 
 def _rewrite(ckpt_dir, edit, step: int = 3) -> None:
-    path = ckpt_dir / f"step_{step:08d}" / "manifest.json"
-    doc = json.loads(path.read_text())
-    doc.pop("manifest_checksum")
-    edit(doc)
-    doc["manifest_checksum"] = manifest._digest(doc)  # re-sealed: a checksum is no defence
-    path.write_text(json.dumps(doc))
+    tamper.edit(ckpt_dir / f"step_{step:08d}", edit)  # re-sealed: a checksum is no defence
 
 
 def _live(p: Problem) -> dict:

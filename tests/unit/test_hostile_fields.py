@@ -1,6 +1,6 @@
 """Hostile manifest fields that passed the schema (issue 29, item 9).
 
-A manifest re-sealed with a valid checksum after an edit (``tests/manifest_fuzz.py``) is
+A manifest re-sealed with a valid checksum after an edit (``tests/tamper.py``) is
 untrusted input. Before this, a tensor's ``device`` of ``meta`` (or ``cuda`` on a machine
 without one) reached tensor allocation and raised a raw ``RuntimeError`` ("Cannot access
 accelerator device"), skipping the fallback to an older step; ``meta`` on a tensor with a
@@ -12,13 +12,11 @@ raises ``CorruptCheckpointError`` naming it, ``unbroken verify`` fails naming it
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from typer.testing import CliRunner
 
-import manifest_fuzz as fuzz
+import tamper
 import unbroken as ub
 from conftest import Problem, assert_same_training_state, save_steps
 
@@ -38,12 +36,21 @@ def _chunk(key: str, **change):
 
 
 HOSTILE = [
-    ("meta-without-live-counterpart", lambda d: d["tensors"][RNG].update(device="meta"),
-     f"{RNG}/device"),
-    ("meta-with-live-counterpart", lambda d: d["tensors"][EXP_AVG].update(device="meta"),
-     f"{EXP_AVG}/device"),
-    ("meta-model", lambda d: d["tensors"]["model/inp.bias"].update(device="meta"),
-     "model/inp.bias/device"),
+    (
+        "meta-without-live-counterpart",
+        lambda d: d["tensors"][RNG].update(device="meta"),
+        f"{RNG}/device",
+    ),
+    (
+        "meta-with-live-counterpart",
+        lambda d: d["tensors"][EXP_AVG].update(device="meta"),
+        f"{EXP_AVG}/device",
+    ),
+    (
+        "meta-model",
+        lambda d: d["tensors"]["model/inp.bias"].update(device="meta"),
+        "model/inp.bias/device",
+    ),
     ("device-index", lambda d: d["tensors"][RNG].update(device="cuda:99"), f"{RNG}/device"),
     ("unknown-device", lambda d: d["tensors"][RNG].update(device="warp9"), f"{RNG}/device"),
     ("format-version-negative", lambda d: d.update(format_version=-1), "format_version"),
@@ -52,17 +59,12 @@ HOSTILE = [
     ("length-bool", _chunk("model/out.bias", length=True), "model/out.bias/chunks/0"),
     ("lineage-run", lambda d: d["lineage"][0].update(run=5), "lineage/0/run"),
     ("lineage-skipped", lambda d: d["lineage"][0].update(skipped="model"), "lineage/0/skipped"),
-]  # fmt: skip
+]
 
 
 def _hostile(saved, tmp_path, edit) -> ub.Checkpointer:
     root, _ = saved
-    work = tmp_path / "run"
-    shutil.copytree(root, work)
-    doc = fuzz.load(work / "step_00000002")
-    edit(doc)
-    (work / "step_00000002" / "manifest.json").write_text(fuzz.text(doc))
-    return work
+    return tamper.edited_copy(root, tmp_path / "run", edit)
 
 
 @pytest.mark.parametrize(("edit", "field"), [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE])

@@ -11,7 +11,6 @@ object back.)
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -21,6 +20,7 @@ import pytest
 import torch
 
 import manifest_fuzz as fuzz
+import tamper
 import unbroken as ub
 from conftest import Problem
 from unbroken.format import manifest
@@ -80,8 +80,8 @@ def assert_same(now: dict, before: dict, what: str) -> None:
     assert torch.equal(now["rng"], before["rng"]), what
 
 
-def _restore_case(root, text: str, reference: dict, label: str) -> str:
-    (root / "step_00000002" / "manifest.json").write_text(text)
+def _restore_case(root, doc: dict, reference: dict, label: str) -> str:
+    tamper.write(root / "step_00000002", doc)
     live = Problem(seed=7)
     live.step()
     before = live_state(live)
@@ -122,12 +122,12 @@ def test_fuzzed_manifests_raise_only_checkpoint_errors_and_touch_nothing(pristin
     work = tmp_path / "run"
     shutil.copytree(root, work)
     reference = live_state(saved)
-    doc = fuzz.load(root / "step_00000002")
+    doc = tamper.read(root / "step_00000002")
     rng = random.Random(SEED)
     outcomes = {"refused": 0, "restored": 0, "refused by the object": 0}
     for i in range(CASES):
         what, hostile = fuzz.mutated(doc, rng)
-        outcomes[_restore_case(work, fuzz.text(hostile), reference, f"case {i} ({what})")] += 1
+        outcomes[_restore_case(work, hostile, reference, f"case {i} ({what})")] += 1
     assert outcomes["refused"] > CASES // 2  # most mutations are damage
 
 
@@ -135,7 +135,7 @@ def test_fuzzed_manifests_raise_only_checkpoint_errors_and_touch_nothing(pristin
     ("edit", "match"),
     [
         (lambda d: d.update(world_size=10**9), "world_size"),
-        (lambda d: d.update(created_unix=fuzz.INF), "1e999|not a finite number"),
+        (lambda d: d.update(created_unix=tamper.INF), "1e999|not a finite number"),
         (lambda d: d.update(lineage=fuzz._deep(fuzz.DEEP)), "nested"),
         (lambda d: d["lineage"].append(5), "lineage"),
         (lambda d: d["lineage"][0].update(segment=["x"]), "segment"),
@@ -155,34 +155,47 @@ def test_fuzzed_manifests_raise_only_checkpoint_errors_and_touch_nothing(pristin
         (lambda d: d["components"]["scheduler"].update(per_rank="no"), "per_rank"),
         (lambda d: d["components"]["rng"].update(ranks={"0": {}, "7": {}}), "ranks"),
         (lambda d: d["components"]["model"].update(parameters="inp.bias"), "parameters"),
-        (lambda d: d["components"]["optimizer"]["state"].update(param_groups={}),
-         "param_groups"),
-        (lambda d: d["components"]["optimizer"]["state"]["state"].update(bogus={}),
-         "no param group"),
-        (lambda d: d["components"]["scheduler"]["state"].update(x={"__ub__": "quaternion"}),
-         "newer unbroken"),
+        (lambda d: d["components"]["optimizer"]["state"].update(param_groups={}), "param_groups"),
+        (
+            lambda d: d["components"]["optimizer"]["state"]["state"].update(bogus={}),
+            "no param group",
+        ),
+        (
+            lambda d: d["components"]["scheduler"]["state"].update(x={"__ub__": "quaternion"}),
+            "newer unbroken",
+        ),
         (lambda d: d["components"]["scheduler"]["state"].update(x={"__ub__": "tuple"}), "items"),
-        (lambda d: d["components"]["scheduler"]["state"].update(
-            x={"__ub__": "set", "items": [{"__ub__": "tuple", "items": [[1]]}]}), "set member"),
-        (lambda d: d["components"]["scheduler"]["state"].update(
-            x={"__ub__": "dtype", "name": "_dynamo"}), "dtype"),
-        (lambda d: d["components"]["scheduler"]["state"].update(
-            x={"__ub__": "ndarray", "dtype": "<U99999", "shape": [10**6], "data": []}),
-         "ndarray"),
-        (lambda d: d["components"]["scheduler"]["state"].update(
-            x={"__ub__": "ndarray", "dtype": "(1000000000,)f8", "shape": [1], "data": [1]}),
-         "ndarray"),
+        (
+            lambda d: d["components"]["scheduler"]["state"].update(
+                x={"__ub__": "set", "items": [{"__ub__": "tuple", "items": [[1]]}]}
+            ),
+            "set member",
+        ),
+        (
+            lambda d: d["components"]["scheduler"]["state"].update(
+                x={"__ub__": "dtype", "name": "_dynamo"}
+            ),
+            "dtype",
+        ),
+        (
+            lambda d: d["components"]["scheduler"]["state"].update(
+                x={"__ub__": "ndarray", "dtype": "<U99999", "shape": [10**6], "data": []}
+            ),
+            "ndarray",
+        ),
+        (
+            lambda d: d["components"]["scheduler"]["state"].update(
+                x={"__ub__": "ndarray", "dtype": "(1000000000,)f8", "shape": [1], "data": [1]}
+            ),
+            "ndarray",
+        ),
     ],
-)  # fmt: skip
+)
 def test_malformed_field_is_refused_naming_it(pristine, tmp_path, edit, match):
     """Each field the library reads, malformed and re-sealed: CorruptCheckpointError
     naming the field, before anything live is touched (and the fallback is tried)."""
     root, _ = pristine
-    work = tmp_path / "run"
-    shutil.copytree(root, work)
-    doc = fuzz.load(work / "step_00000002")
-    edit(doc)
-    (work / "step_00000002" / "manifest.json").write_text(fuzz.text(doc))
+    work = tamper.edited_copy(root, tmp_path / "run", edit)
     with pytest.raises(ub.CorruptCheckpointError, match=match):
         manifest.read(work / "step_00000002")
     live = Problem(seed=7)
@@ -196,11 +209,11 @@ def test_unknown_tag_says_the_checkpoint_may_be_newer(pristine, tmp_path):
     """A state tag this version does not know: CorruptCheckpointError saying the
     checkpoint may come from a newer unbroken, not a ValueError."""
     root, _ = pristine
-    work = tmp_path / "run"
-    shutil.copytree(root, work)
-    doc = fuzz.load(work / "step_00000002")
-    doc["components"]["scheduler"]["state"]["later"] = {"__ub__": "bitset", "bits": "0101"}
-    (work / "step_00000002" / "manifest.json").write_text(fuzz.text(doc))
+
+    def newer(doc):
+        doc["components"]["scheduler"]["state"]["later"] = {"__ub__": "bitset", "bits": "0101"}
+
+    work = tamper.edited_copy(root, tmp_path / "run", newer)
     with pytest.raises(ub.CorruptCheckpointError, match=r"'bitset'.*newer unbroken"):
         Problem().checkpointer(work).restore(step=2)
 
@@ -209,11 +222,11 @@ def test_nesting_is_bounded_before_any_recursion(pristine, tmp_path):
     """A manifest nested 600 levels deep (parsable JSON; deeper than any manifest):
     CorruptCheckpointError, never RecursionError."""
     root, _ = pristine
-    work = tmp_path / "run"
-    shutil.copytree(root, work)
-    doc = fuzz.load(work / "step_00000002")
-    doc["components"]["scheduler"]["state"]["deep"] = fuzz._deep(600)
-    (work / "step_00000002" / "manifest.json").write_text(json.dumps(doc))
+
+    def deepen(doc):
+        doc["components"]["scheduler"]["state"]["deep"] = fuzz._deep(600)
+
+    work = tamper.edited_copy(root, tmp_path / "run", deepen, seal=False)
     with pytest.raises(ub.CorruptCheckpointError, match="nested"):
         manifest.read(work / "step_00000002")
 

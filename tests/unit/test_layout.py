@@ -198,15 +198,22 @@ def test_no_module_uses_another_modules_private_names():
     assert private_uses() == []
 
 
+def _fake_package(tmp_path, subpackage: str, modules: dict[str, str]):
+    """A package ``unbroken`` under ``tmp_path`` with one subpackage holding ``modules``
+    (file name -> source)."""
+    fake = tmp_path / "unbroken"
+    (fake / subpackage).mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / subpackage / "__init__.py").write_text("")
+    for name, source in modules.items():
+        (fake / subpackage / name).write_text(source)
+    return fake
+
+
 def test_the_rule_catches_an_offending_import(tmp_path, monkeypatch):
     """The checker itself can fail: a format module importing core is named."""
-    fake = tmp_path / "unbroken"
-    (fake / "format").mkdir(parents=True)
-    (fake / "__init__.py").write_text("")
-    (fake / "format" / "__init__.py").write_text("")
-    (fake / "format" / "bad.py").write_text(
-        "def f():\n    from ..core import saving\n    return saving\n"
-    )
+    bad = "def f():\n    from ..core import saving\n    return saving\n"
+    fake = _fake_package(tmp_path, "format", {"bad.py": bad})
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     assert layout_violations() == [
         "unbroken/format/bad.py:2: `from ..core import saving` (format may not import core)"
@@ -216,17 +223,10 @@ def test_the_rule_catches_an_offending_import(tmp_path, monkeypatch):
 def test_the_circle_and_private_rules_catch_offenders(tmp_path, monkeypatch):
     """The checkers can fail: two modules importing each other (one inside a function, one
     under TYPE_CHECKING) are a circle; a private name imported or used is named."""
-    fake = tmp_path / "unbroken"
-    (fake / "storage").mkdir(parents=True)
-    (fake / "__init__.py").write_text("")
-    (fake / "storage" / "__init__.py").write_text("")
-    (fake / "storage" / "a.py").write_text(
-        "def f():\n    from .b import _helper\n    return _helper\n"
-    )
-    (fake / "storage" / "b.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n"
-        "def _helper():\n    return a._cache\n"
-    )
+    a = "def f():\n    from .b import _helper\n    return _helper\n"
+    b = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n"
+    b += "def _helper():\n    return a._cache\n"
+    fake = _fake_package(tmp_path, "storage", {"a.py": a, "b.py": b})
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     assert circles() == [["unbroken.storage.a", "unbroken.storage.b"]]
     assert private_uses() == [

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import manifest_fuzz as fuzz
+import tamper
 import unbroken as ub
 from conftest import Problem
 from unbroken.tools.verification import verify_folder as audit
@@ -76,36 +76,32 @@ def _saved(root: Path) -> Path:
     return root / "step_00000001"
 
 
-def _reseal(folder: Path, doc: dict) -> None:
-    (folder / "manifest.json").write_text(fuzz.text(doc))
-
-
 def _huge_world(folder: Path) -> None:
-    doc = fuzz.load(folder)
-    doc["world_size"] = 1_000_000  # within the cap: refused as one rank's files describe
-    # one rank (10**9 took over 6 GB before)
-    _reseal(folder, doc)
+    # Within the cap: refused as one rank's files describe one rank (10**9 took over 6 GB
+    # before).
+    tamper.edit(folder, lambda doc: doc.update(world_size=1_000_000))
 
 
 def _padded_manifest(folder: Path) -> None:
-    doc = fuzz.load(folder)
+    doc = tamper.read(folder)
     doc["metrics"] = "PAD"  # 12 MB of JSON that parses into ~290 MB (parsed before the
     pad = "[" + ",".join(["{}"] * 4_000_000) + "]"  # checksum is checked: no need to seal)
     (folder / "manifest.json").write_text(json.dumps(doc).replace('"PAD"', pad))
 
 
 def _sparse_shard(folder: Path) -> None:
-    doc = fuzz.load(folder)
+    doc = tamper.read(folder)
     shard = folder / "rank_00000.bin"
     end = shard.stat().st_size
     numel = 64 * 2**20  # 256 MiB of float32, in a file that takes a few KiB on disk
     entry = doc["tensors"]["optimizer/state/inp.bias/step"]
     entry.update(shape=[numel], stride=[1])
-    entry["chunks"] = [dict(entry["chunks"][0], offsets=[0], sizes=[numel], offset=end,
-                            length=numel * 4)]  # fmt: skip
+    entry["chunks"] = [
+        dict(entry["chunks"][0], offsets=[0], sizes=[numel], offset=end, length=numel * 4)
+    ]
     doc["files"]["rank_00000.bin"]["size"] = end + numel * 4
     os.truncate(shard, end + numel * 4)
-    _reseal(folder, doc)
+    tamper.write(folder, doc)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux /proc")
@@ -120,8 +116,8 @@ def test_hostile_checkpoints_are_refused_before_their_memory_is_spent(tmp_path):
     assert _restore(sound) == "restored" and _verify(sound) == ""
     baseline = {op: _peak_growth(op, sound)[0] for op in (_restore, _verify)}
     results = {}
-    for name, spoil in (("world", _huge_world), ("padded", _padded_manifest),
-                        ("sparse", _sparse_shard)):  # fmt: skip
+    spoilers = {"world": _huge_world, "padded": _padded_manifest, "sparse": _sparse_shard}
+    for name, spoil in spoilers.items():
         folder = _saved(tmp_path / name)
         spoil(folder)
         for op in (_restore, _verify):

@@ -42,6 +42,20 @@ def _saved(path) -> Problem:
     return p
 
 
+def _restores_step_1_and_warns_once(run, a: Problem, caplog, odd: str) -> None:
+    """``run`` lists step 1 only, before and after a restore of it, which is verified and
+    exact (``a``'s state); the odd name is warned about once."""
+    caplog.set_level(logging.WARNING, logger="unbroken")
+    b = Problem(seed=3)
+    ck = b.checkpointer(run)
+    assert ck.steps() == [1]
+    report = ck.restore()
+    assert report.restored and report.step == 1 and report.verified
+    assert_same_training_state(a, b)
+    assert ck.steps() == [1]
+    assert _warned_about(caplog, odd) == 1
+
+
 @pytest.mark.parametrize("odd", ODD, ids=["arabic-indic", "newline", "zeros", "fullwidth"])
 def test_odd_step_names_are_not_steps(odd):
     """Failure guarded: ``^step_(\\d{8,})$`` read these names as step 5 (or 1)."""
@@ -67,15 +81,7 @@ def test_local_restore_ignores_an_odd_step_folder(tmp_path, caplog, odd):
     run = tmp_path / "run"
     a = _saved(run)
     shutil.copytree(run / "step_00000001", run / odd)
-    caplog.set_level(logging.WARNING, logger="unbroken")
-    b = Problem(seed=3)
-    ck = b.checkpointer(run)
-    assert ck.steps() == [1]
-    report = ck.restore()
-    assert report.restored and report.step == 1 and report.verified
-    assert_same_training_state(a, b)
-    assert ck.steps() == [1]
-    assert _warned_about(caplog, odd) == 1
+    _restores_step_1_and_warns_once(run, a, caplog, odd)
     assert odd in os.listdir(run)  # ignored, never touched
 
 
@@ -105,11 +111,4 @@ def test_store_restore_ignores_an_odd_step_prefix(caplog, odd):
     fs, root = fsspec.core.url_to_fs(url)
     for key in fs.find(f"{root}/step_00000001"):
         fs.pipe(key.replace("step_00000001", odd, 1), fs.cat(key))
-    caplog.set_level(logging.WARNING, logger="unbroken")
-    b = Problem(seed=3)
-    ck = b.checkpointer(url)
-    assert ck.steps() == [1]
-    report = ck.restore()
-    assert report.restored and report.step == 1 and report.verified
-    assert_same_training_state(a, b)
-    assert _warned_about(caplog, odd) == 1
+    _restores_step_1_and_warns_once(url, a, caplog, odd)

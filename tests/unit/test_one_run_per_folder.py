@@ -140,16 +140,24 @@ def test_each_save_lists_once_and_reads_no_manifest_of_its_own(ckpt_dir, monkeyp
     assert reads == []
 
 
+def _two_jobs(target, tracked: int, saved: int, seed: int = 1):
+    """Job A tracks steps 1..``tracked``, saving step ``saved``; job B (a Problem of
+    ``seed``) restores that step in the same folder. (A's Problem, A, B's Problem, B),
+    both Checkpointers keeping every step and still open."""
+    a_p = Problem()
+    a = a_p.checkpointer(target, keep_last=None)
+    _track(a_p, a, 1, tracked, save_at={saved})
+    b_p = Problem(seed=seed)
+    b = b_p.checkpointer(target, keep_last=None)
+    assert b.restore().step == saved
+    return a_p, a, b_p, b
+
+
 def test_a_second_job_never_writes_into_the_first_jobs_record(ckpt_dir):
     """Case: a second job restores into a running job's folder and tracks; its save is
     refused. Before, its steps were appended to the first job's metrics.jsonl (steps
     twice, a resume that never happened). Now the record holds the first job alone."""
-    a_p = Problem()
-    a = a_p.checkpointer(ckpt_dir, keep_last=None)
-    _track(a_p, a, 1, 5, save_at={5})
-    b_p = Problem(seed=1)
-    b = b_p.checkpointer(ckpt_dir, keep_last=None)
-    assert b.restore().step == 5
+    a_p, a, _, b = _two_jobs(ckpt_dir, tracked=5, saved=5)
     for step in range(6, 10):
         b.track(step, loss=1000.0 + step)  # values no real run tracks
     _track(a_p, a, 6, 8, save_at={8})
@@ -188,12 +196,8 @@ def test_a_run_that_loses_the_folder_withdraws_the_steps_it_wrote(ckpt_dir):
 def test_a_relaunch_while_the_crashed_checkpointer_lingers_still_replays(ckpt_dir):
     """The replay check still sees the steps the crashed run recorded after its last
     save; the relaunch's own steps reach the record once its first save commits."""
-    a_p = Problem()
-    a = a_p.checkpointer(ckpt_dir, keep_last=None)
-    _track(a_p, a, 1, 8, save_at={4})  # steps 5..8 recorded after the last save; "crash"
-    b_p = Problem(seed=7)
-    b = b_p.checkpointer(ckpt_dir, keep_last=None)
-    assert b.restore().step == 4
+    # Steps 5..8 recorded after the last save; "crash".
+    _, _, b_p, b = _two_jobs(ckpt_dir, tracked=8, saved=4, seed=7)
     _track(b_p, b, 5, 8)
     assert b.replay.status == "identical" and b.replay.compared_steps == 4
     b.save(8)
@@ -208,12 +212,7 @@ def test_a_second_job_on_a_store_withdraws_what_it_uploaded(monkeypatch):
     once its save is refused it withdraws those steps: the series is the first job's."""
     monkeypatch.setenv("UNBROKEN_STORE_METRICS_S", "0")
     url = f"memory://unbroken-tests/{uuid.uuid4().hex[:8]}/run"
-    a_p = Problem()
-    a = a_p.checkpointer(url, keep_last=None)
-    _track(a_p, a, 1, 2, save_at={2})
-    b_p = Problem(seed=1)
-    b = b_p.checkpointer(url, keep_last=None)
-    assert b.restore().step == 2
+    a_p, a, _, b = _two_jobs(url, tracked=2, saved=2)
     b.track(3, loss=5000.0)
     b._run.record._log.flush()  # uploaded: nobody committed since it restored
     assert 5000.0 in [v for _, v in read_series(url).values["loss"]]

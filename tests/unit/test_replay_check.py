@@ -123,6 +123,16 @@ def test_nothing_recorded_after_the_checkpoint(ckpt_dir):
     ckpt.close()
 
 
+def _replays_identically_from_4(ckpt_dir, recorded: int, upto: int) -> None:
+    """Restored at step 4, with ``recorded`` later steps to compare, and trained to
+    ``upto``: every recorded step compared, all identical."""
+    q, ckpt, start = _resume(ckpt_dir, step=4)
+    assert ckpt.replay.recorded_steps == recorded
+    _train(ckpt, q, start, upto)
+    assert ckpt.replay.status == "identical" and ckpt.replay.compared_steps == recorded
+    ckpt.close()
+
+
 def test_reference_only_from_runs_continuing_from_the_restored_checkpoint(ckpt_dir):
     """Run A saves 2 and 4 and tracks to 8; run B resumes from 2, trains differently and
     dies unsaved. Restoring 4 compares against A's steps 5..8 (which continued from 4),
@@ -132,11 +142,7 @@ def test_reference_only_from_runs_continuing_from_the_restored_checkpoint(ckpt_d
     torch.manual_seed(99)  # other data
     _train(ckpt, q, start, 5)
     del ckpt
-    q, ckpt, start = _resume(ckpt_dir, step=4)
-    assert ckpt.replay.recorded_steps == 4
-    _train(ckpt, q, start, 8)
-    assert ckpt.replay.status == "identical" and ckpt.replay.compared_steps == 4
-    ckpt.close()
+    _replays_identically_from_4(ckpt_dir, recorded=4, upto=8)
 
 
 def test_reference_follows_later_resumes_of_the_same_line(ckpt_dir):
@@ -147,11 +153,7 @@ def test_reference_follows_later_resumes_of_the_same_line(ckpt_dir):
     assert start == 6 and ckpt.replay.status == "none"
     _train(ckpt, q, start, 9)
     del ckpt
-    q, ckpt, start = _resume(ckpt_dir, step=4)
-    assert ckpt.replay.recorded_steps == 5
-    _train(ckpt, q, start, 9)
-    assert ckpt.replay.status == "identical" and ckpt.replay.compared_steps == 5
-    ckpt.close()
+    _replays_identically_from_4(ckpt_dir, recorded=5, upto=9)
 
 
 def test_a_damaged_metrics_file_never_fails_the_restore(ckpt_dir):
@@ -175,10 +177,10 @@ def test_steps_a_run_withdrew_are_no_reference(ckpt_dir):
     lines = [json.loads(x) for x in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]
     segment = lines[0]["segment"]
     with open(ckpt_dir / "metrics.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps({"segment": segment, "step": 7,
-                            "metrics": {"loss": 123.0, "weight_norm": 1.0}}) + "\n")  # fmt: skip
-        f.write(json.dumps({"segment": segment, "retracted": True, "kept_upto": 6,
-                            "reason": "another run committed"}) + "\n")  # fmt: skip
+        metrics = {"loss": 123.0, "weight_norm": 1.0}
+        f.write(json.dumps({"segment": segment, "step": 7, "metrics": metrics}) + "\n")
+        withdrawn = {"retracted": True, "kept_upto": 6, "reason": "another run committed"}
+        f.write(json.dumps({"segment": segment, **withdrawn}) + "\n")
     q, ckpt, start = _resume(ckpt_dir)
     assert start == 5 and ckpt.replay.recorded_steps == 1  # step 6 only: 7 and 8 withdrawn
     _train(ckpt, q, start, 8)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+import tamper
 import unbroken as ub
 from conftest import Problem
 from unbroken.format import manifest, tree
@@ -98,9 +99,9 @@ def test_a_sealed_manifest_marking_an_integer_tensor_is_damage_and_restore_falls
     ckpt.save(2)
     ckpt.close()
     folder = tmp_path / "c" / "step_00000002"
-    doc = manifest.read(folder)
-    doc["components"]["learn"]["state"]["count"]["requires_grad"] = True
-    manifest.write(folder, {k: v for k, v in doc.items() if k not in ("format", "format_version")})
+    tamper.edit(
+        folder, lambda d: d["components"]["learn"]["state"]["count"].update(requires_grad=True)
+    )
 
     back = Learnable(seed=5)
     report = Problem(seed=3).checkpointer(tmp_path / "c", extra={"learn": back}).restore()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import manifest_fuzz as fuzz
+import tamper
 import unbroken as ub
 from conftest import Problem, assert_same_training_state, save_steps
 from unbroken.format import manifest
@@ -33,7 +33,7 @@ def flip(monkeypatch, saved):
     """``flip(times)``: the next ``times`` reads of step 2's chunk of ``KEY`` come back with
     one byte flipped (None: every read); returns the list of reads of that chunk seen."""
     root, _ = saved
-    chunk = fuzz.load(root / "step_00000002")["tensors"][KEY]["chunks"][0]
+    chunk = tamper.read(root / "step_00000002")["tensors"][KEY]["chunks"][0]
     real = local_files._FileChunks.read_into
     reads: list[int] = []
 

@@ -10,11 +10,9 @@ a path (``../``, a newline) instead of being refused as damage.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
-import manifest_fuzz as fuzz
+import tamper
 import unbroken as ub
 from conftest import Problem, save_steps
 from distributed import launcher
@@ -97,12 +95,7 @@ def saved(tmp_path_factory):
 
 
 def _edited(saved, tmp_path, edit):
-    work = tmp_path / "run"
-    shutil.copytree(saved, work)
-    doc = fuzz.load(work / "step_00000002")
-    edit(doc)
-    (work / "step_00000002" / "manifest.json").write_text(fuzz.text(doc))
-    return work
+    return tamper.edited_copy(saved, tmp_path / "run", edit)
 
 
 def _restored_id(folder, step: int) -> str:
@@ -190,8 +183,8 @@ def _two_ranks(rank: int, world: int, folder: str) -> dict:
     with ub.Checkpointer(folder, model=model, trackers=[again]) as ckpt:
         ckpt.restore()
         resumed = ckpt.run_id
-    return {"minted": minted, "fresh": fresh, "resumed": resumed,
-            "calls": first.calls + again.calls}  # fmt: skip
+    calls = first.calls + again.calls
+    return {"minted": minted, "fresh": fresh, "resumed": resumed, "calls": calls}
 
 
 @pytest.mark.distributed
@@ -204,6 +197,6 @@ def test_ranks_agree_on_rank_0s_id_and_only_rank_0_forwards(tmp_path):
     assert r0["fresh"] == r1["fresh"] == r0["minted"] == _saved_run(tmp_path, 2)
     assert r0["resumed"] == r1["resumed"] == r0["minted"]
     run_id = r0["minted"]
-    assert r0["calls"] == [f"start {run_id} 0 0", "log 1", "log 2", "close",
-                           f"start {run_id} 2 2", "verdict none", "close"]  # fmt: skip
+    first = [f"start {run_id} 0 0", "log 1", "log 2", "close"]
+    assert r0["calls"] == [*first, f"start {run_id} 2 2", "verdict none", "close"]
     assert r1["calls"] == []

@@ -9,18 +9,7 @@ import pytest
 import torch
 
 import unbroken as ub
-from conftest import Problem
-
-
-def _saves(ckpt_dir, steps=(1, 2)) -> dict[int, dict[str, torch.Tensor]]:
-    p = Problem()
-    ckpt = p.checkpointer(ckpt_dir, keep_last=None)
-    states = {}
-    for step in steps:
-        p.step()
-        ckpt.save(step)
-        states[step] = {k: v.clone() for k, v in p.model.state_dict().items()}
-    return states
+from conftest import Problem, restore_skipping, save_steps
 
 
 def _step(ckpt_dir, step):
@@ -31,29 +20,24 @@ def test_swapped_step_folders_are_damage_and_restore_falls_back(ckpt_dir):
     """step_00000002 holding step 1's checkpoint (folders swapped): a
     CorruptCheckpointError naming the folder and both steps; restore() skips it with a
     warning and restores an older sound step instead of calling step 1 'step 2'."""
-    states = _saves(ckpt_dir, (1, 2, 3))
+    states = save_steps(ckpt_dir, (1, 2, 3))
     os.rename(_step(ckpt_dir, 2), ckpt_dir / "aside")
     shutil.copytree(_step(ckpt_dir, 1), _step(ckpt_dir, 2))  # step 1's checkpoint as "2"
     os.rename(_step(ckpt_dir, 3), _step(ckpt_dir, 4))  # and step 3's as "4"
     with pytest.raises(ub.CorruptCheckpointError, match=r"step_00000002.*step 2.*step 1"):
         Problem().checkpointer(ckpt_dir).restore(step=2)
-    fresh = Problem(seed=1)
-    report = fresh.checkpointer(ckpt_dir).restore()
-    assert report.step == 1
-    assert [w.split(":")[0] for w in report.warnings[:2]] == [
-        "skipped the damaged checkpoint of step 4",
-        "skipped the damaged checkpoint of step 2",
-    ]
+    fresh, report = restore_skipping(ckpt_dir, [4, 2], to=1)
     assert "step_00000004" in report.warnings[0] and "step 3" in report.warnings[0]
+    saved = states[1].model.state_dict()
     for k, v in fresh.model.state_dict().items():
-        assert torch.equal(v, states[1][k]), k
+        assert torch.equal(v, saved[k]), k
 
 
 def test_a_step_whose_manifest_vanished_is_named_by_restore(ckpt_dir):
     """step_00000002/manifest.json deleted: restore() falls back to step 1 (as before) but
     its report warns naming the damaged folder, instead of the step vanishing silently;
     restore(step=2) says it is damaged, not that it never existed."""
-    _saves(ckpt_dir)
+    save_steps(ckpt_dir)
     (_step(ckpt_dir, 2) / "manifest.json").unlink()
     report = Problem(seed=1).checkpointer(ckpt_dir).restore()
     assert report.step == 1
@@ -66,7 +50,7 @@ def test_a_step_whose_manifest_vanished_is_named_by_restore(ckpt_dir):
 def test_the_only_checkpoint_losing_its_manifest_is_not_a_silent_fresh_start(ckpt_dir):
     """Every manifest gone: restore() starts fresh (nothing is loadable), but the report
     names each damaged folder rather than looking like a first run."""
-    _saves(ckpt_dir)
+    save_steps(ckpt_dir)
     for step in (1, 2):
         (_step(ckpt_dir, step) / "manifest.json").unlink()
     report = Problem(seed=1).checkpointer(ckpt_dir).restore()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -31,6 +30,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import unbroken as ub
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
+from training_scripts import end_process
 
 WIDTH = 13  # 13 rows shard unevenly over 2 and 3 ranks (7+6, 5+5+3)
 
@@ -104,11 +106,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    dist.destroy_process_group()
-    # Everything is committed and written. Skip the interpreter's finalization: a gloo
-    # worker thread still releasing a finished collective's tensors when finalization
-    # starts can abort the process (docs/pitfalls.md; as tests/e2e/scripts/tiny_train.py).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_process()

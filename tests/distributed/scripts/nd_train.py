@@ -12,7 +12,6 @@ tracked is the same on every rank (the mean over ranks; pp: the last stage's).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -23,6 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import unbroken as ub
 from distributed import moe_models, pp_models, tp_models
+from training_scripts import end_process, end_step
 
 
 def _hsdp(world: int):
@@ -78,19 +78,11 @@ def main() -> None:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
             ckpt.track(step + 1, loss=mean / world)
-        if ckpt.should_stop(step + 1) or step + 1 == args.steps:
-            ckpt.save(step + 1)
-        if ckpt.should_stop(step + 1):
+        if end_step(ckpt, step + 1, last=args.steps):
             break
     ckpt.close()
 
 
 if __name__ == "__main__":
     main()
-    dist.destroy_process_group()
-    # Everything is committed: skip finalization, where gloo's worker threads can abort
-    # the process (docs/pitfalls.md).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_process()

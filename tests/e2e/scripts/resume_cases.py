@@ -20,11 +20,16 @@ checkpoint to compare with.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
 import unbroken as ub
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
+from training_scripts import end_step, regression_step
 
 
 class Batches:
@@ -89,26 +94,25 @@ def main() -> None:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
     batches, progress = Batches(x, y, 16), Progress(args.lost_counter)
     ckpt = ub.Checkpointer(
-        args.dir, model=model, optimizer=opt, scheduler=sched, dataloader=batches,
-        extra={"progress": progress}, keep_last=None, overwrite=args.overwrite,
-    )  # fmt: skip
+        args.dir,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        dataloader=batches,
+        extra={"progress": progress},
+        keep_last=None,
+        overwrite=args.overwrite,
+    )
     start = ckpt.restore().step
     if start and start == args.reseed_on_resume_from:
         torch.manual_seed(0)  # the bug: the restored RNG state is lost
     for step in range(start, args.steps):
         xb, yb = batches.next()
-        loss = (model(xb) - yb).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss, grad_norm = regression_step(model, opt, sched, xb, yb)
         progress.samples += len(xb)
         progress.mean_loss += (loss.item() - progress.mean_loss) / (step + 1)
         ckpt.track(step + 1, loss=loss, grad_norm=grad_norm)
-        if (step + 1) % args.save_every == 0 or ckpt.should_stop(step + 1):
-            ckpt.save(step + 1)
-        if ckpt.should_stop(step + 1):
+        if end_step(ckpt, step + 1, every=args.save_every):
             break
     ckpt.close()
 

@@ -15,12 +15,11 @@ the data.
 from __future__ import annotations
 
 import argparse
-import gc
-import logging
 import os
 import random
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,6 +29,9 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 import unbroken as ub
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
+from training_scripts import end_process, end_step, regression_step
 
 
 def build_loader(rank: int = 0, world: int = 1) -> StatefulDataLoader:
@@ -89,34 +91,14 @@ def main() -> None:
         except StopIteration:
             batches = iter(loader)
             x, y = next(batches)
-        loss = (model(x) - y).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        loss, grad_norm = regression_step(model, opt, sched, x, y)
         ckpt.track(step + 1, loss=loss, grad_norm=grad_norm)
         time.sleep(pause)
-        if (step + 1) % 10 == 0 or ckpt.should_stop(step + 1):
-            ckpt.save(step + 1)
-        if ckpt.should_stop(step + 1):
+        if end_step(ckpt, step + 1, every=10):
             break
     ckpt.close()
 
 
 if __name__ == "__main__":
     main()
-    # DDP's reducer must be gone before the process group: destroying it afterwards can
-    # hang in gloo (pytorch/pytorch#56297), so main() has returned and we collect first.
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-        # Everything is committed and closed. Skip the interpreter's finalization: torch
-        # keeps the gloo group's worker threads alive after destroy_process_group, and a
-        # worker still releasing a finished collective's tensors when finalization starts
-        # needs the GIL and aborts the process ("terminate called without an active
-        # exception", SIGABRT; seen under load, see docs/pitfalls.md).
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+    end_process()

@@ -30,17 +30,19 @@ i.e. ``fully_shard``), and ``clip_grad_norm_``/``accumulate`` their FSDP branche
 from __future__ import annotations
 
 import argparse
-import gc
-import os
 import sys
+from pathlib import Path
 
 import fsdp_common
 import torch
-from accelerate import Accelerator, FullyShardedDataParallelPlugin, PartialState
+from accelerate import Accelerator, FullyShardedDataParallelPlugin
 from accelerate.utils import DataLoaderConfiguration, DistributedType, set_seed
 from torch import nn
 
 from unbroken.integrations.accelerate import checkpointer_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
+import training_scripts
 
 
 def fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
@@ -98,18 +100,18 @@ def main(argv: list[str] | None = None) -> None:
     with checkpointer_for(accelerator, args.dir) as ckpt:
         report = ckpt.restore(reset={"rng", "dataloader"} if args.reset else None)
         if report.restored:
-            fsdp_common.write(args.dump, f"restored-step{report.step}", {
+            restored = {
                 "report": fsdp_common.report_fields(report),
                 "lr": sched.get_last_lr(),
                 "accelerator_step": accelerator.step,
                 "wrapped": type(model).__name__,
                 "parameters": fsdp_common.parameter_kinds(opt.optimizer),
                 **fsdp_common.full_state(model, opt.optimizer),
-            })  # fmt: skip
+            }
+            fsdp_common.write(args.dump, f"restored-step{report.step}", restored)
         step = train(accelerator, ckpt, model, opt, loader, sched, report.step, args.steps)
-    fsdp_common.write(args.dump, f"end-step{step}", {
-        "lr": sched.get_last_lr(), **fsdp_common.full_state(model, opt.optimizer),
-    })  # fmt: skip
+    end = {"lr": sched.get_last_lr(), **fsdp_common.full_state(model, opt.optimizer)}
+    fsdp_common.write(args.dump, f"end-step{step}", end)
 
 
 def train(accelerator, ckpt, model, opt, loader, sched, step: int, steps: int) -> int:
@@ -142,14 +144,4 @@ def train(accelerator, ckpt, model, opt, loader, sched, step: int, steps: int) -
 
 if __name__ == "__main__":
     main()
-    gc.collect()
-    PartialState().destroy_process_group()
-    # Every checkpoint and dump is written and closed by now. A process that ran FSDP1 on
-    # gloo can still abort during interpreter finalization ("terminate called without an
-    # active exception"; seen once in a CI-like run, after the resume had committed), most
-    # likely a gloo worker thread releasing a tensor there, the crash discussed in
-    # pytorch/pytorch PR 179291. This test is about the resume, not the exit
-    # (tests/integrations/test_accelerate_exit.py is), so the process ends here.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    training_scripts.end_process()

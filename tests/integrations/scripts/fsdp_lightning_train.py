@@ -21,12 +21,11 @@ tests to compare.
 from __future__ import annotations
 
 import argparse
-import gc
 import logging
-import os
 import random
 import sys
 import warnings
+from pathlib import Path
 
 import fsdp_common
 import lightning as L
@@ -37,6 +36,9 @@ from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from unbroken.integrations.lightning import UnbrokenCallback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
+import training_scripts
 
 
 class CPUFSDPStrategy(FSDPStrategy):
@@ -94,9 +96,12 @@ class Regressor(L.LightningModule):
     def train_dataloader(self) -> StatefulDataLoader:
         data = fsdp_common.dataset()
         sampler = DistributedSampler(
-            data, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
-            shuffle=True, seed=7,
-        )  # fmt: skip
+            data,
+            num_replicas=self.trainer.world_size,
+            rank=self.trainer.global_rank,
+            shuffle=True,
+            seed=7,
+        )
         return StatefulDataLoader(data, batch_size=16, sampler=sampler)
 
 
@@ -169,20 +174,8 @@ def main(argv: list[str] | None = None) -> None:
         enable_model_summary=False,
     )
     trainer.fit(Regressor(args.fsdp))
-    if torch.distributed.is_initialized():
-        del trainer
-        gc.collect()
-        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
-    # Every checkpoint and dump is written and closed by now. A process that ran FSDP1 on
-    # gloo can still abort during interpreter finalization ("terminate called without an
-    # active exception"; seen once in a CI-like run, after the resume had committed), most
-    # likely a gloo worker thread releasing a tensor there, the crash discussed in
-    # pytorch/pytorch PR 179291. This test is about the resume, not the exit
-    # (tests/integrations/test_accelerate_exit.py is), so the process ends here.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    training_scripts.end_process()
