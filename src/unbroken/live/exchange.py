@@ -105,9 +105,10 @@ def _host(t: torch.Tensor) -> torch.Tensor | np.ndarray:
 
     On the CPU, torch splits each ``copy_`` of a chunk across its intra-op threads and
     waits for all of them at its end; where other processes keep the cores busy, each
-    wait can last a scheduler time slice, and an exchange makes hundreds of them (4.3 s
-    instead of 0.1 s for 200 MB on two busy cores). numpy copies on the calling thread,
-    without the GIL, and slices without torch's per-view overhead."""
+    wait can last a scheduler time slice, and an exchange makes hundreds of them
+    (measured on two cores busy with other work: 4.3 s, median, to exchange 200 MB through
+    ``copy_``; 0.1 s on one thread). numpy copies on the calling thread, without the GIL,
+    and slices without torch's per-view overhead."""
     return t.numpy() if t.device.type == "cpu" else t
 
 
