@@ -6,6 +6,7 @@ through ``load_state_dict`` as before."""
 from __future__ import annotations
 
 import sys
+import threading
 
 import pytest
 import torch
@@ -224,15 +225,26 @@ def _interrupted(fn, code, at: int) -> bool:
         sys.settrace(None)
 
 
+def _two_threads(monkeypatch) -> None:
+    """Plans hand about half of the host bytes to a second thread, however few."""
+    monkeypatch.setattr(exchange, "_SIDE_MIN", 0)
+    monkeypatch.setattr(exchange.shard_reader, "cpu_share", lambda: 2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
 def test_the_undo_puts_back_every_byte_after_an_interrupt_in_the_exchange_or_in_the_undo(
-    monkeypatch,
+    monkeypatch, threads
 ):
     """All or nothing (issues 10, 29, 35): the exchange keeps the previous bytes in the
     loaded tensors rotated by one chunk (two copies a byte, not three), so a Ctrl-C at any
     line of the install, then another at any line of the undo (run again, as a rollback
     does), must still put every byte of every tensor back, whatever its size against the
-    chunk; and an install that finished leaves exactly the loaded values."""
+    chunk; and an install that finished leaves exactly the loaded values. With a second
+    thread exchanging part of the tensors (it cannot be interrupted: Python delivers
+    Ctrl-C to the main thread), the undo waits for it, however far it got."""
     monkeypatch.setattr(exchange, "_CHUNK", 64)
+    if threads == 2:
+        _two_threads(monkeypatch)
     torch.manual_seed(0)
     model, source = Odd(), Odd()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -243,6 +255,7 @@ def test_the_undo_puts_back_every_byte_after_an_interrupt_in_the_exchange_or_in_
         finished_undo, undo_stop = False, 1
         while not finished_undo:
             plan, _ = _exchange_for(model, source)
+            assert (plan._side is not None) is (threads == 2)
             finished = _interrupted(plan.install, install, stop)
             if finished:
                 for k, v in model.state_dict().items():
@@ -261,7 +274,7 @@ def test_the_undo_puts_back_every_byte_after_an_interrupt_in_the_exchange_or_in_
     assert stop > 30  # every line of many chunks was interrupted once
 
 
-def test_the_exchange_on_the_cpu_copies_on_the_calling_thread(monkeypatch):
+def test_the_exchange_on_the_cpu_copies_without_torchs_copy(monkeypatch):
     """Issue 35 (a restore into existing objects 2.6-6.4x raw DCP's time on busy cores):
     torch's ``copy_`` of each chunk on the CPU waits for all of its intra-op threads, a
     scheduler time slice each where other work holds the cores; the exchange and its undo
@@ -278,6 +291,52 @@ def test_the_exchange_on_the_cpu_copies_on_the_calling_thread(monkeypatch):
     plan.undo()
     monkeypatch.undo()
     assert calls == []
+
+
+def test_a_failure_on_the_second_thread_reaches_the_caller_and_is_undone(monkeypatch):
+    """All or nothing (issue 35): an error while the second thread exchanges its tensors
+    is raised by install() on the calling thread (so the restore rolls back), and the
+    undo puts back every byte of both threads' tensors."""
+    monkeypatch.setattr(exchange, "_CHUNK", 64)
+    _two_threads(monkeypatch)
+    torch.manual_seed(0)
+    model, source = Odd(), Odd()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan, _ = _exchange_for(model, source)
+    side, real = plan._side, exchange._copy
+    copies = 0
+
+    def failing(dst, src):
+        nonlocal copies
+        if threading.current_thread() is not threading.main_thread():
+            copies += 1
+            if copies == 3:
+                raise MemoryError("planted")
+        real(dst, src)
+
+    monkeypatch.setattr(exchange, "_copy", failing)
+    with pytest.raises(MemoryError, match="planted"):
+        plan.install()
+    assert side is not None and side._at != (0, 0)  # it stopped midway
+    monkeypatch.setattr(exchange, "_copy", real)
+    plan.undo()
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_second_thread_that_starts_after_the_undo_leaves_everything_alone(monkeypatch):
+    """All or nothing (issue 35): a Ctrl-C can reach install() after it started the second
+    thread but before that thread ran; the undo, coming first, claims its tensors, and
+    the thread, starting late, does not touch them."""
+    _two_threads(monkeypatch)
+    torch.manual_seed(0)
+    model, source = Odd(), Odd()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan, _ = _exchange_for(model, source)
+    plan.undo()
+    plan._run_side()  # what the late thread runs
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
 
 
 class Transforming(nn.Linear):

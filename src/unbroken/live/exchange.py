@@ -24,6 +24,7 @@ loaded one. Anything else installs through ``load_state_dict`` as before.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,10 +34,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..errors import StateMismatchError
-from ..format import bitwise
+from ..format import bitwise, shard_reader
 from . import torch_compat
 
 _CHUNK = 1 << 20  # bytes per step: the chunk just read stays in cache for its write
+_SIDE_MIN = 32 << 20  # host bytes from which a second thread exchanges about half
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -120,12 +122,29 @@ def _copy(dst: torch.Tensor | np.ndarray, src: torch.Tensor | np.ndarray) -> Non
 
 
 class Exchange:
-    """The byte exchanges that install one model's loaded tensors, and their undo."""
+    """The byte exchanges that install one model's loaded tensors, and their undo.
 
-    def __init__(self, pairs: list[tuple[str, torch.Tensor, torch.Tensor]], ties: dict) -> None:
+    One thread calls :meth:`install` once, then :meth:`undo` as often as a rollback needs;
+    :meth:`install` may hand part of the host pairs to a second exchange (``side``) that
+    it runs on a thread of its own, and both methods wait for that thread as needed."""
+
+    def __init__(
+        self,
+        pairs: list[tuple[str, torch.Tensor, torch.Tensor]],
+        ties: dict,
+        side: Exchange | None = None,
+    ) -> None:
         self._pairs = pairs  # (key, live bytes, loaded bytes)
         self._ties = ties  # key -> the key whose live tensor it shares
         self._chunk = _CHUNK
+        # Pairs exchanged on a second thread meanwhile (host bytes only), and who ran
+        # them: "side" (that thread, which sets _side_done when it ends) or "undo" (the
+        # undo came first: that thread, if it starts late, leaves them alone). Each
+        # claims it with one setdefault, atomic under the GIL. Install runs once.
+        self._side = side
+        self._claim: dict[str, str] = {}
+        self._side_done = threading.Event()
+        self._side_error: list[BaseException] = []
         # Progress, set by one assignment so that an interrupt (Ctrl-C) between any two
         # statements leaves it true: pairs before _at[0] are exchanged (their loaded bytes
         # hold the previous live ones rotated by one chunk); of pair _at[0], the previous
@@ -136,7 +155,8 @@ class Exchange:
 
     @property
     def keys(self) -> list[str]:
-        return [key for key, _, _ in self._pairs] + list(self._ties)
+        side = self._side.keys if self._side is not None else []
+        return [key for key, _, _ in self._pairs] + side + list(self._ties)
 
     def check_ties(self, targets: Mapping[str, torch.Tensor]) -> None:
         """Refuse, before anything changes, a checkpoint whose values differ for names that
@@ -153,6 +173,8 @@ class Exchange:
         """Exchange every pair; :meth:`undo` puts back what was exchanged, also after an
         interrupt."""
         # The byte views are detached: no autograd mode to set (or to leak on an interrupt).
+        if self._side is not None:
+            threading.Thread(target=self._run_side, name="unbroken-exchange", daemon=True).start()
         step = self._chunk
         for i, (_, live_t, loaded_t) in enumerate(self._pairs):
             live, loaded, n = _host(live_t), _host(loaded_t), live_t.numel()
@@ -169,6 +191,10 @@ class Exchange:
             _copy(loaded[n - first :], held)
             self._at = (i + 1, 0)
         self._buffers.clear()
+        if self._side is not None:
+            self._side_done.wait()
+            if self._side_error:
+                raise self._side_error[0]
 
     def undo(self) -> None:
         """Put the previous live bytes back: they are in the loaded tensors, rotated by one
@@ -176,7 +202,12 @@ class Exchange:
         Idempotent, so interrupt-safe: it only copies from the loaded tensors and the
         buffer, which it never changes, and resets the progress (then frees the buffer)
         last, so a rollback that an interrupt cut short runs it again and completes it;
-        run again once done, it copies nothing."""
+        run again once done, it copies nothing. The side thread's pairs are put back once
+        it has ended (or, where the undo comes first, it never starts them)."""
+        if self._side is not None:
+            if self._claim.setdefault("by", "undo") == "side":
+                self._side_done.wait()
+            self._side.undo()
         done, end = self._at
         for _, live_t, loaded_t in self._pairs[:done]:
             live, loaded, n = _host(live_t), _host(loaded_t), live_t.numel()
@@ -191,6 +222,17 @@ class Exchange:
             _copy(live[:first], _host(self._buffer(live_t.device))[:first])
         self._at = (0, 0)
         self._buffers.clear()
+
+    def _run_side(self) -> None:
+        """On the side thread: exchange the side's pairs, unless the undo came first."""
+        assert self._side is not None
+        try:
+            if self._claim.setdefault("by", "side") == "side":
+                self._side.install()
+        except BaseException as exc:  # handed to install(), on the calling thread
+            self._side_error.append(exc)
+        finally:
+            self._side_done.set()
 
     def _buffer(self, device: torch.device) -> torch.Tensor:
         if device not in self._buffers:
@@ -241,4 +283,22 @@ def plan(
     for (_, end, dev), (start, _, dev2) in itertools.pairwise(spans):
         if dev == dev2 and start < end:  # two names overlap without being one tensor
             return None
-    return Exchange(pairs, ties)
+    return _split(pairs, ties)
+
+
+def _split(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], ties: dict) -> Exchange:
+    """One exchange, or, where there are enough host bytes and this process has two CPUs
+    or more to itself, about half of the host bytes handed to a second thread: memory
+    copies on one core do not use all of the memory's speed (measured: 200 MB exchanged
+    in 0.027 s on two threads, 0.049 s on one, 0.035 s through torch's two-thread copy_
+    on an idle machine)."""
+    host = [p for p in pairs if p[1].device.type == "cpu"]
+    if sum(p[1].numel() for p in host) < _SIDE_MIN or shard_reader.cpu_share() < 2:
+        return Exchange(pairs, ties)
+    loads, lanes = [0, 0], ([], [])  # the largest first, each to the lighter lane
+    for p in sorted(host, key=lambda p: -p[1].numel()):
+        lane = 0 if loads[0] <= loads[1] else 1
+        lanes[lane].append(p)
+        loads[lane] += p[1].numel()
+    mine = [p for p in pairs if p[1].device.type != "cpu"] + lanes[0]
+    return Exchange(mine, ties, side=Exchange(lanes[1], {}))
