@@ -35,14 +35,19 @@ READ_RUN_MIN_BYTES = 32 << 20  # a reader thread reads at least this much in a r
 
 def read_threads() -> int:
     """Threads that may read a local shard's files at once: ``MAX_READERS`` where this
-    process has two CPUs or more to itself, else 1 (its files are read one after
-    another). Its share is the CPUs it may run on, divided among the ranks torchrun
-    started on this machine (``LOCAL_WORLD_SIZE``) unless it is pinned to its own.
-    ``UNBROKEN_READ_THREADS`` overrides. Measured on two cores: two ranks restore sooner
-    reading their files one after another than with a thread per file each, one
-    process sooner with several reads in flight (:func:`_runs`)."""
+    process has two CPUs or more to itself (:func:`cpu_share`), else 1 (its files are
+    read one after another). ``UNBROKEN_READ_THREADS`` overrides. Measured on two cores:
+    two ranks restore sooner reading their files one after another than with a thread
+    per file each, one process sooner with several reads in flight (:func:`_runs`)."""
     if os.environ.get(READ_THREADS_ENV, "").strip():
         return int(env_number(READ_THREADS_ENV, 1, 1))
+    return MAX_READERS if cpu_share() >= 2 else 1
+
+
+def cpu_share() -> int:
+    """The CPUs this process may count as its own: those it may run on, divided among the
+    ranks torchrun started on this machine (``LOCAL_WORLD_SIZE``) unless it is pinned to
+    its own."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cpus = cpus or 1
     try:
@@ -51,7 +56,7 @@ def read_threads() -> int:
         local = 1
     if cpus < (os.cpu_count() or cpus):  # pinned: these CPUs are this process's share
         local = 1
-    return MAX_READERS if cpus // local >= 2 else 1
+    return cpus // local
 
 
 def _runs(files: list[list[tuple[int, int]]], limit: int) -> list[list[int]]:
