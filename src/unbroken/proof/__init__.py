@@ -1,6 +1,7 @@
-"""The resume proof: the run's record (tracked metrics, the replay check, the post-resume
-health check), plots, and the replay comparison behind ``unbroken.testing``.
+"""The offline resume proof: the replay comparison behind ``unbroken.testing`` and
+``unbroken resume-test`` (straight vs stopped and resumed), the resume lineage, the likely
+cause of a difference, plots, and the runner of training commands.
 
-Imports ``core`` (collectives), ``live``, ``storage`` and ``format`` (never ``tools``
-or ``cli``).
+Imports ``live``, ``format``, ``storage`` and ``errors``; never ``core``, ``run``,
+``tools`` or ``cli``.
 """
