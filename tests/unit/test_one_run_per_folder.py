@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import uuid
 
 import pytest
@@ -272,3 +274,20 @@ def test_a_refusal_tells_a_run_that_never_restored_what_to_do(ckpt_dir):
     assert torch.equal(
         torch.tensor(manifest.read(ckpt_dir / "step_00000001")["step"]), torch.tensor(1)
     )
+
+
+def test_a_checkpointer_never_closed_exits_without_a_shutdown_error(tmp_path):
+    """A script that saves and ends without ``close()`` exits 0 and prints nothing: the
+    run lock lets go at interpreter shutdown without reaching for module globals that
+    shutdown has already cleared (it printed an ignored AttributeError)."""
+    script = (
+        "import torch, unbroken as ub\n"
+        "m = torch.nn.Linear(4, 4)\n"
+        "o = torch.optim.AdamW(m.parameters())\n"
+        f"ck = ub.Checkpointer({str(tmp_path / 'run')!r}, model=m, optimizer=o)\n"
+        "ck.save(1)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "", done.stderr
+    assert ub.Checkpointer(tmp_path / "run", model=torch.nn.Linear(4, 4)).steps() == [1]

@@ -272,8 +272,12 @@ class RunLock:
             self._fd, self._held = None, False
 
     def __del__(self) -> None:  # a Checkpointer dropped without close() lets go too
-        with contextlib.suppress(Exception):
+        # No module globals here: at interpreter shutdown they may already be None, and
+        # the system closes the file (dropping the lock) when the process ends anyway.
+        try:  # noqa: SIM105 (contextlib itself may be gone by then)
             self.release()
+        except Exception:
+            pass
 
 
 def saving_now(lock: Path) -> bool:
