@@ -96,3 +96,58 @@ def test_the_offline_reader_reads_again_too(saved, flip):
     assert ub.verify_checkpoint(folder).ok
     flip(None)
     assert not ub.verify_checkpoint(folder).ok
+
+
+@pytest.fixture
+def flip_manifest(monkeypatch):
+    """``flip_manifest(times)``: the next ``times`` reads of step 2's manifest come back
+    with one byte flipped (None: every read); returns the list of its reads seen."""
+    real = local_files.LocalPath.read_capped
+    reads: list[int] = []
+
+    def arm(times: int | None):
+        def read_capped(self, limit):
+            got = real(self, limit)
+            if str(self).endswith("step_00000002/manifest.json"):
+                reads.append(len(got))
+                if times is None or len(reads) <= times:
+                    i = got.index(b'"step"')  # a byte of the document, inside a key
+                    got = got[:i] + b'"stdp"' + got[i + 6 :]
+            return got
+
+        monkeypatch.setattr(local_files.LocalPath, "read_capped", read_capped)
+        return reads
+
+    return arm
+
+
+def test_a_manifest_read_wrong_once_is_read_again_and_the_newest_step_restores(
+    saved, flip_manifest
+):
+    """Issue 36, item 7: one byte of step 2's manifest read wrong once. restore() reads it
+    again and resumes step 2, verified and exact, its report noting the read; before, the
+    manifest "was altered", step 2 was skipped as damaged and step 1 resumed."""
+    root, states = saved
+    reads = flip_manifest(1)
+    live = Problem(seed=3)
+    report = live.checkpointer(root).restore()
+    assert report.step == 2 and report.verified, report.warnings
+    assert_same_training_state(live, states[2])
+    assert len(reads) >= 2
+    [note] = [w for w in report.warnings if "manifest" in w]
+    assert "read wrong once (fails its checksum), read again and sound" in note, note
+
+
+def test_a_manifest_wrong_on_every_read_is_damage(saved, flip_manifest):
+    """The same byte wrong on every read of step 2's manifest: after two re-reads it is
+    damage, the restore falls back to step 1 saying so; the offline tools refuse it."""
+    root, states = saved
+    reads = flip_manifest(None)
+    live = Problem(seed=3)
+    report = live.checkpointer(root).restore()
+    assert report.step == 1 and len(reads) == 3
+    [skip] = [w for w in report.warnings if "step 2" in w]
+    assert "fails its checksum, read 3 times: the manifest was altered or damaged" in skip
+    assert_same_training_state(live, states[1])
+    with pytest.raises(ub.CorruptCheckpointError, match="read 3 times"):
+        manifest.read(root / "step_00000002")

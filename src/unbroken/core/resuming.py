@@ -120,7 +120,7 @@ def resume(
             garbage = collective.on_rank0(functools.partial(not_a_manifest, folder))
             if garbage:
                 raise CorruptCheckpointError(garbage)
-            doc = read_manifest(folder)
+            doc, notes = read_manifest(folder)
             report = restoring.restore(folder, doc, components, request)
         except CorruptCheckpointError as exc:
             if candidates.relisted(garbage=bool(garbage)):  # pruned or re-saved meanwhile
@@ -136,7 +136,7 @@ def resume(
                 ) from exc
             logger.warning("checkpoint of step %d is damaged, trying an older one", chosen)
             continue
-        report.warnings[:0] = skipped
+        report.warnings[:0] = skipped + notes
         report.warnings.extend(  # what its save found (run/idle_optimizers.py)
             f"the checkpoint of step {chosen} was saved with a warning: {w}"
             for w in doc.get("save_warnings") or []
@@ -145,9 +145,15 @@ def resume(
     raise AssertionError("unreachable")
 
 
-def read_manifest(folder: Location) -> dict[str, Any]:
-    """Rank 0 checks the folder (``format.folder_check``); every rank gets the manifest."""
-    return collective.on_rank0(lambda: check_folder(folder))
+def read_manifest(folder: Location) -> tuple[dict[str, Any], list[str]]:
+    """Rank 0 checks the folder (``format.folder_check``); every rank gets the manifest
+    and the notes of its reading (a manifest read wrong once, then sound)."""
+
+    def check() -> tuple[dict[str, Any], list[str]]:
+        notes: list[str] = []
+        return check_folder(folder, notes), notes
+
+    return collective.on_rank0(check)
 
 
 def not_a_manifest(folder: Location) -> str | None:

@@ -16,8 +16,9 @@ from ..storage.interface import Location
 from . import manifest, schema
 
 
-def check_folder(folder: Location) -> dict[str, Any]:
+def check_folder(folder: Location, notes: list[str] | None = None) -> dict[str, Any]:
     """The manifest of the committed checkpoint in ``folder``, once the folder is sound.
+    A manifest read wrong and then sound adds its note to ``notes``.
 
     Raises:
         CorruptCheckpointError: naming the file that is missing, resized, sparse, a link,
@@ -26,7 +27,7 @@ def check_folder(folder: Location) -> dict[str, Any]:
             or its fingerprints use an algorithm this version does not know.
     """
     try:
-        return _check(folder)
+        return _check(folder, notes)
     except CorruptCheckpointError:
         raise
     except OSError as exc:  # no permission, gone meanwhile: the checkpoint is unusable
@@ -36,8 +37,8 @@ def check_folder(folder: Location) -> dict[str, Any]:
         ) from None
 
 
-def _check(folder: Location) -> dict[str, Any]:
-    doc = manifest.read(folder)  # refuses a linked folder or manifest
+def _check(folder: Location, notes: list[str] | None) -> dict[str, Any]:
+    doc = manifest.read(folder, notes)  # refuses a linked folder or manifest
     problems = folder.problems(doc["files"])
     if problems:
         raise CorruptCheckpointError(f"{problems[0][1]}; use an older step")

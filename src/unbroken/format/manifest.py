@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 import platform
@@ -30,6 +31,12 @@ from .schema import ITEMSIZES
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
+# A file that fails its checksum is read again this often before it counts as damage
+# (a manifest here, a chunk in ``tensor_reader`` and a restore's ``shard_reader``): a
+# disk or store may answer wrong bytes once.
+REREADS = 2
 
 FORMAT = "unbroken-checkpoint"
 FORMAT_VERSION = 1
@@ -261,8 +268,12 @@ def _shard_budget(directory: Location, only: set[str] | None = None) -> tuple[in
     return len(sizes), sum(sizes), None if listed is None else listed.size
 
 
-def read(directory: Location | str | os.PathLike) -> dict[str, Any]:
+def read(directory: Location | str | os.PathLike, notes: list[str] | None = None) -> dict[str, Any]:
     """Read and validate a manifest (see :mod:`unbroken.format.schema`).
+
+    Bytes that fail to parse or fail the checksum are read again (``REREADS`` times)
+    before they count as damage: a disk or store may answer wrong bytes once. A manifest
+    sound on a re-read is logged, and noted in ``notes`` when given.
 
     Raises:
         CorruptCheckpointError: missing, a symbolic link, larger than its checkpoint can
@@ -271,10 +282,43 @@ def read(directory: Location | str | os.PathLike) -> dict[str, Any]:
     """
     directory = location(directory)
     path = directory / MANIFEST
+    for attempt in range(1 + REREADS):  # read again where the bytes came in wrong
+        try:
+            doc = _parse(path, _read_file(path, directory))
+        except _ReadWrong as exc:
+            wrong = exc
+            continue
+        if attempt:
+            times = "once" if attempt == 1 else f"{attempt} times"
+            note = f"the manifest {path} read wrong {times} ({wrong}), read again and sound"
+            logger.warning("%s", note)
+            if notes is not None:
+                notes.append(note)
+        break
+    else:
+        raise CorruptCheckpointError(
+            f"{path} {wrong}, read {1 + REREADS} times: the manifest was altered or damaged"
+        )
+    schema.validate(path, doc)
+    named = folder_step(directory)
+    if named is not None and named != doc["step"]:
+        raise CorruptCheckpointError(
+            f"{directory} is named for step {named} but holds the checkpoint of step "
+            f"{doc['step']}: step folders were renamed, swapped or copied. Rename it to "
+            f"{step_dir_name(doc['step'])} if that is where it belongs, or use another step"
+        )
+    return doc
+
+
+class _ReadWrong(Exception):
+    """The manifest's bytes are not a sound manifest: read wrong once, or damaged."""
+
+
+def _read_file(path: Location, directory: Location) -> bytes:
     try:
         if directory.is_link():
             raise CorruptCheckpointError(f"{directory} is a symbolic link; checkpoints never are")
-        text = _read_bounded(path, directory)
+        return _read_bounded(path, directory)
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{path} is missing: {directory} is not a committed checkpoint (a step folder "
@@ -286,29 +330,28 @@ def read(directory: Location | str | os.PathLike) -> dict[str, Any]:
         raise CorruptCheckpointError(
             f"{exc.filename or path} cannot be read ({exc.strerror or exc})"
         ) from None
+
+
+def _parse(path: Location, text: bytes) -> dict[str, Any]:
+    """The manifest document in ``text``, its checksum checked. Raises ``_ReadWrong``
+    for what bytes read wrong once also give (unparsable, not a manifest, failing the
+    checksum) and ``CorruptCheckpointError`` for the rest."""
     try:
         doc = json.loads(text, parse_constant=_refuse_constant)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise CorruptCheckpointError(f"{path} is not valid JSON ({exc}); it is damaged") from None
+        raise _ReadWrong(f"is not valid JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{path} is not an unbroken manifest")
+        raise _ReadWrong("is not an unbroken manifest")
     schema.check_json(path, doc)  # depth and 1e999 first: the digest below recurses
+    claimed = doc.pop("manifest_checksum", None)
     version = doc.get("format_version")
-    if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
+    newer = isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION
+    if claimed != _digest(doc) and not newer:  # a newer format may digest otherwise
+        raise _ReadWrong("fails its checksum")
+    if not isinstance(version, int) or isinstance(version, bool) or newer:
         raise CorruptCheckpointError(
             f"{path} has format_version {version!r}; this unbroken reads up to "
             f"{FORMAT_VERSION}: upgrade unbroken"
-        )
-    claimed = doc.pop("manifest_checksum", None)
-    if claimed != _digest(doc):
-        raise CorruptCheckpointError(f"{path} fails its checksum: the manifest was altered")
-    schema.validate(path, doc)
-    named = folder_step(directory)
-    if named is not None and named != doc["step"]:
-        raise CorruptCheckpointError(
-            f"{directory} is named for step {named} but holds the checkpoint of step "
-            f"{doc['step']}: step folders were renamed, swapped or copied. Rename it to "
-            f"{step_dir_name(doc['step'])} if that is where it belongs, or use another step"
         )
     return doc
 

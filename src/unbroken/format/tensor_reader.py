@@ -21,13 +21,9 @@ import xxhash
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..storage.interface import ChunkReader, Location
 from ..storage.locate import location
-from .manifest import DTYPES, require_native_byteorder
+from .manifest import DTYPES, REREADS, require_native_byteorder
 
 logger = logging.getLogger(__name__)
-
-# A chunk that fails its checksum is read again this often before it counts as damage
-# (here and in a restore's ``shard_reader``): a disk or store may answer wrong bytes once.
-REREADS = 2
 
 
 class TensorReader:
