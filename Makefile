@@ -95,7 +95,8 @@ reliability: $(STAMP)
 
 # Health-check rates (about 5 minutes on 2 idle cores, 10-16 when they are shared): trains
 # three small scripts, measures false alarms on exact resumes and catches on buggy ones,
-# prints the tables and regenerates docs/health-check.md.
+# prints the tables and regenerates docs/health-check.md (its prose that no measurement
+# changes is written by hand in the page, between `hand-written` markers that it keeps).
 # A smoke test: $(PY) benchmarks/health_check.py --quick
 .PHONY: health-check
 health-check: $(STAMP)

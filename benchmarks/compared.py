@@ -39,11 +39,11 @@ from report import Page, add_options, bullets, kept, publish, shown_command, tab
 from unbroken.proof.runs import RunFailed, run
 from unbroken.storage.locate import location
 
-PAGE = Page(ROOT / "docs" / "integrations" / "compared.md")
 SCRIPTS = Path(__file__).with_name("compared")
-# As in compared/shared.py (the scripts' side of these files and settings).
-STEPS, FINAL, STOP_AT_ENV = "steps.jsonl", "final.safetensors", "UNBROKEN_STOP_AT"
-BATCH_SIZE, ACCUMULATE = 16, 2
+sys.path.insert(0, str(SCRIPTS))  # their shared.py: the files and settings read back here
+from shared import ACCUMULATE, BATCH_SIZE, FINAL, STEPS, STOP_AT_ENV  # noqa: E402
+
+PAGE = Page(ROOT / "docs" / "integrations" / "compared.md")
 MARKER = (
     "<!-- written by benchmarks/compared.py --write-docs: rerun it; edit by hand only its "
     "hand-written blocks -->"

@@ -26,75 +26,71 @@ import os
 import random
 import subprocess
 import sys
-import textwrap
+import threading
 import time
 import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "src"))  # the code of this checkout, in the children too
 sys.path.insert(0, str(ROOT / "tests"))
 
 import torch  # noqa: E402
 
 import unbroken as ub  # noqa: E402
+from report import table  # noqa: E402
 from s3_server import S3Server  # noqa: E402
 
 SIZE = 256  # a Linear(SIZE, SIZE) trained by SGD on constant gradients: exact to replay
 
-CHILD = textwrap.dedent(
-    """
-    import os, random, sys, threading
-    import torch
-    import unbroken as ub
-    from unbroken.storage import store_medium
 
-    url, mode, delay = sys.argv[1], sys.argv[2], float(sys.argv[3])
-    torch.manual_seed(0)
+def _linear(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
     model = torch.nn.Linear(SIZE, SIZE)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    how = {"sync": False, "async": True, "overlap": "overlap", "resave": False}[mode]
-    ckpt = ub.Checkpointer(url, model=model, optimizer=opt, async_save=how)
-    ckpt.restore()
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
-    def step():
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        opt.step()
 
-    step()
-    ckpt.save(1)
-    ckpt.wait()
-    if mode == "resave":  # die between moving step 1 aside and committing its new copy
-        store_medium.StoreMedium._put_manifest = lambda *a: os._exit(9)
-        step()
-        ckpt.save(1)
-        os._exit(3)
-    threading.Timer(delay, lambda: os._exit(9)).start()
-    for k in range(2, 10_000):
-        step()
-        ckpt.save(k)
-    os._exit(4)
-    """
-).replace("SIZE", str(SIZE))
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
 
 
 def _reference(steps: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(SIZE, SIZE)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = _linear(0)
     for _ in range(steps):
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        opt.step()
+        _step(model, opt)
     return model
 
 
 def _fresh(url: str) -> tuple[ub.Checkpointer, torch.nn.Module]:
-    torch.manual_seed(99)
-    model = torch.nn.Linear(SIZE, SIZE)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, opt = _linear(99)
     return ub.Checkpointer(url, model=model, optimizer=opt), model
+
+
+def _child(url: str, mode: str, delay: float) -> None:
+    """The killed process (``--child``): saves step after step into ``url`` and is killed
+    (``os._exit(9)``) ``delay`` seconds after its first save; ``resave``: killed between
+    moving step 1 aside and committing its new copy."""
+    from unbroken.storage import store_medium
+
+    model, opt = _linear(0)
+    how = {"sync": False, "async": True, "overlap": "overlap", "resave": False}[mode]
+    ckpt = ub.Checkpointer(url, model=model, optimizer=opt, async_save=how)
+    ckpt.restore()
+    _step(model, opt)
+    ckpt.save(1)
+    ckpt.wait()
+    if mode == "resave":
+        store_medium.StoreMedium._put_manifest = lambda *a: os._exit(9)
+        _step(model, opt)
+        ckpt.save(1)
+        os._exit(3)
+    threading.Timer(delay, lambda: os._exit(9)).start()
+    for k in range(2, 10_000):
+        _step(model, opt)
+        ckpt.save(k)
+    os._exit(4)
 
 
 def _restores_exactly(url: str, *, step: int | None = None) -> str | None:
@@ -119,11 +115,9 @@ def _url() -> str:
 
 
 def kill(mode: str, rng: random.Random) -> str | None:
-    url = _url()
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    delay = f"{rng.uniform(0.0, 1.5):.3f}"
-    done = subprocess.run([sys.executable, "-c", CHILD, url, mode, delay], env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    url, delay = _url(), f"{rng.uniform(0.0, 1.5):.3f}"
+    command = [sys.executable, __file__, "--child", url, mode, delay]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     if done.returncode != 9:
         return f"the child was not killed (exit {done.returncode}): {done.stderr[-500:]}"
     return _restores_exactly(url, step=1 if mode == "resave" else None)
@@ -220,7 +214,10 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=3, help="trials per scenario")
     parser.add_argument("--junk", type=int, default=300, help="junk keys per junk trial")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)  # URL MODE DELAY
     args = parser.parse_args()
+    if args.child:
+        _child(args.child[0], args.child[1], float(args.child[2]))
     rng = random.Random(args.seed)
     logging.getLogger("unbroken").setLevel(logging.ERROR)  # each junk key warns
     server = S3Server()
@@ -235,7 +232,7 @@ def main() -> None:
         ("a flipped byte in transit (download)", lambda: flipped_byte(rng)),
         (f"{args.junk} junk newer-step keys", lambda: junk(rng, args.junk, timings)),
     ]
-    rows, began = [], time.perf_counter()
+    rows, first_failures, began = [], {}, time.perf_counter()
     with server.environment():
         for name, trial in scenarios:
             failures, start = [], time.perf_counter()
@@ -247,14 +244,12 @@ def main() -> None:
                 if failure:
                     failures.append(failure)
             spent = time.perf_counter() - start
-            rows.append((name, args.trials, len(failures), spent, failures[:1]))
+            rows.append([name, str(args.trials), str(len(failures)), f"{spent:.1f}"])
+            first_failures.update({name: failures[0]} if failures else {})
     server.stop()
-    print("| scenario | trials | failures | seconds |")
-    print("|---|---|---|---|")
-    for name, trials, failed, spent, first in rows:
-        print(f"| {name} | {trials} | {failed} | {spent:.1f} |")
-        if first:
-            print(f"  first failure: {first[0][:300]}")
+    print(table(["scenario", "trials", "failures", "seconds"], rows))
+    for name, failure in first_failures.items():
+        print(f"  {name}, first failure: {failure[:300]}")
     if timings:
         print(f"\njunk-key restores: {', '.join(f'{t:.1f} s' for t in timings)}")
     print(f"total {time.perf_counter() - began:.0f} s")

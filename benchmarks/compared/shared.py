@@ -33,6 +33,7 @@ STEPS = "steps.jsonl"
 FINAL = "final.safetensors"
 STOP_AT_ENV = "UNBROKEN_STOP_AT"
 BATCH_SIZE = 16
+ACCUMULATE = 2  # micro-batches per optimizer step
 
 
 def options(doc: str) -> argparse.ArgumentParser:
@@ -44,7 +45,7 @@ def options(doc: str) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=40, help="optimizer steps in all")
     parser.add_argument("--every", type=int, default=10, help="save every this many steps")
     parser.add_argument("--rows", type=int, default=512, help="rows of the dataset")
-    parser.add_argument("--accumulate", type=int, default=2, help="micro-batches per step")
+    parser.add_argument("--accumulate", type=int, default=ACCUMULATE, help="micro-batches per step")
     return parser
 
 
