@@ -98,3 +98,28 @@ def test_failed_probe_after_install_puts_everything_back(tmp_path):
         ckpt.restore()
     _assert_unchanged(live, before)
     assert "put back as it was" in str(info.value)
+
+
+def test_a_rollback_that_a_load_hook_alters_is_not_called_a_clean_rollback(tmp_path):
+    """Issue 36, item 4: a model whose load hook doubles its weight fails the check after
+    install, and the undo goes through the same hook, leaving the weight doubled. The
+    error must not say "nothing was changed": it names the model as not put back and the
+    tensor that differs. (Before: "every live object was put back as it was" over an
+    altered weight.)"""
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(4, 4)
+    ub.Checkpointer(tmp_path / "run", model=saved).save(1)
+    live = torch.nn.Linear(4, 4)
+
+    def doubling(module, state, prefix, *args):
+        if prefix + "weight" in state:
+            state[prefix + "weight"] = state[prefix + "weight"] * 2
+
+    live.register_load_state_dict_pre_hook(doubling)
+    before = live.weight.detach().clone()
+    with pytest.raises(ub.CheckpointError) as info:
+        ub.Checkpointer(tmp_path / "run", model=live).restore()
+    said = str(info.value) + "".join(getattr(info.value, "__notes__", []))
+    assert not torch.equal(live.weight, before)  # the hook's doing: the case at hand
+    assert "nothing was changed" not in said, said
+    assert "could not be put back as it was" in said and "(weight)" in said, said

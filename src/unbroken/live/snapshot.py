@@ -94,8 +94,48 @@ def _reinstall(component: Component, before: Any) -> Undo:
             if not torch_compat.is_uninitialized(held.tensor):
                 torch_compat.unmaterialize(held.tensor, held.kind)
         component.install(state)
+        if isinstance(component, ModelComponent):
+            _require_put_back(component, before)
 
     return undo
+
+
+def _require_put_back(component: ModelComponent, before: Any) -> None:
+    """Raise unless the model holds its copies bit for bit again: the install goes through
+    the module's own load hooks, which may convert what they are given."""
+    live = component.capture()
+    changed = [key for key, held, now in _pairs(before, live) if not _same_bits(held, now)]
+    if changed:
+        shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if changed[5:] else "")
+        raise RuntimeError(
+            f"its previous values did not come back bit for bit ({shown}): its own "
+            "load_state_dict (a load hook, a cast) changed what it was given back"
+        )
+
+
+def _pairs(held: Any, live: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """(key, held copy, live value) of every tensor copied by :func:`_clone`."""
+    if isinstance(held, dict):
+        live = live if isinstance(live, Mapping) else {}
+        return [
+            pair
+            for k, v in held.items()
+            for pair in _pairs(v, live.get(k), f"{prefix}{k}" if not prefix else f"{prefix}.{k}")
+        ]
+    if isinstance(held, DTensor | torch.Tensor):
+        return [(prefix, held, live)]
+    return []
+
+
+def _same_bits(a: torch.Tensor, b: Any) -> bool:
+    if not isinstance(b, DTensor | torch.Tensor):
+        return False
+    a = a.to_local() if isinstance(a, DTensor) else a
+    b = b.to_local() if isinstance(b, DTensor) else b
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.detach().reshape(-1).contiguous(), b.detach().reshape(-1).to(a.device).contiguous()
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 class _Uninitialized:
