@@ -96,7 +96,8 @@ Rule = Callable[[str, str], "str | None"]  # (method, path) -> fault to inject, 
 
 class FaultProxy:
     """HTTP proxy to ``upstream`` that injects the faults ``rule`` names: "500", "503",
-    "slowdown" (throttling) or "drop" (the connection closes without an answer).
+    "slowdown" (throttling), "drop" (the connection closes without an answer) or "lose"
+    (the request reaches the store, then the connection closes: its answer is lost).
     ``injected`` counts them."""
 
     def __init__(self, upstream_port: int, rule: Rule) -> None:
@@ -128,6 +129,9 @@ class FaultProxy:
                 fault = proxy.rule(self.command, self.path)
                 if fault is not None:
                     proxy.injected += 1
+                    if fault == "lose":
+                        self._forward(body)
+                        fault = "drop"
                     if fault == "drop":
                         self.close_connection = True
                         self.connection.shutdown(2)
@@ -143,6 +147,17 @@ class FaultProxy:
                     self.end_headers()
                     self.wfile.write(text.encode())
                     return
+                status, answer_headers, data = self._forward(body)
+                self.send_response(status)
+                for k, v in answer_headers:
+                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            def _forward(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
                 headers = {
                     k: v
                     for k, v in self.headers.items()
@@ -153,17 +168,9 @@ class FaultProxy:
                 try:
                     conn.request(self.command, self.path, body=body, headers=headers)
                     answer = conn.getresponse()
-                    data = answer.read()
+                    return answer.status, answer.getheaders(), answer.read()
                 finally:
                     conn.close()
-                self.send_response(answer.status)
-                for k, v in answer.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command != "HEAD":
-                    self.wfile.write(data)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
 

@@ -170,6 +170,89 @@ def test_transient_errors_are_retried(server, s3, fault, monkeypatch):
     assert proxy.injected == 3
 
 
+def test_a_commit_whose_answer_is_lost_is_kept(server, s3, monkeypatch):
+    """Issue 36, item 17: the create-only PUT of the manifest reaches the store and its
+    answer is lost; the retry is refused as "exists". That manifest is this save's own:
+    the save succeeds, nothing it references is deleted, and the step verifies and
+    restores. (Before: "another save committed step 2", its own shards removed under its
+    own committed manifest, a restore falling back past it.)"""
+    lost = {"manifest": 1}
+
+    def rule(method: str, path: str) -> str | None:
+        if method == "PUT" and "step_00000002/manifest.json" in path and lost["manifest"]:
+            lost["manifest"] -= 1
+            return "lose"
+        return None
+
+    a = Big(0)
+    a.step()
+    a.checkpointer(s3).save(1)
+    proxy = FaultProxy(server.port, rule)
+    monkeypatch.setenv("UNBROKEN_STORE_RETRIES", "5")
+    try:
+        with server.environment(proxy.endpoint):
+            ckpt = a.checkpointer(s3)
+            ckpt.restore()
+            a.step()
+            ckpt.save(2)
+    finally:
+        proxy.stop()
+    assert proxy.injected == 1
+    assert checkpoint_dir(s3).steps() == [1, 2]
+    assert ub.verify_checkpoint(f"{s3}/step_00000002").ok
+    b = Big(1)
+    report = b.checkpointer(s3).restore()
+    assert report.step == 2 and report.verified and b.same(a)
+
+
+def test_a_commit_that_cannot_be_read_back_deletes_nothing_it_lists(server, s3, monkeypatch):
+    """Issue 36, item 17: the answer to the manifest's write is lost and the manifest then
+    cannot be read back. The save cannot confirm its commit and says so, but deletes none
+    of the objects the committed manifest lists: step 2 stays whole, verifies and
+    restores (never a listed step whose shards were removed under it)."""
+    from unbroken.storage import store as remote
+    from unbroken.storage import store_medium
+
+    lost = {"manifest": 1}
+
+    def rule(method: str, path: str) -> str | None:
+        if method == "PUT" and "step_00000002/manifest.json" in path and lost["manifest"]:
+            lost["manifest"] -= 1
+            return "lose"
+        return None
+
+    real = remote.Store.read
+    blind = {"on": True}
+
+    def read(self, key):
+        if blind["on"] and key.endswith("step_00000002/manifest.json"):
+            raise FileNotFoundError(key)
+        return real(self, key)
+
+    a = Big(0)
+    a.step()
+    a.checkpointer(s3).save(1)
+    proxy = FaultProxy(server.port, rule)
+    monkeypatch.setenv("UNBROKEN_STORE_RETRIES", "5")
+    monkeypatch.setattr(remote.Store, "read", read)
+    monkeypatch.setattr(store_medium, "_READ_BACK_WAITS", (0.0, 0.0))
+    try:
+        with server.environment(proxy.endpoint):
+            ckpt = a.checkpointer(s3)
+            ckpt.restore()
+            a.step()
+            with pytest.raises(ub.CheckpointError, match="cannot be confirmed"):
+                ckpt.save(2)
+    finally:
+        proxy.stop()
+        blind["on"] = False
+    assert checkpoint_dir(s3).steps() == [1, 2]
+    assert ub.verify_checkpoint(f"{s3}/step_00000002").ok
+    b = Big(1)
+    report = b.checkpointer(s3).restore()
+    assert report.step == 2 and report.verified and b.same(a)
+
+
 def test_persistent_errors_fail_naming_the_object(server, s3, monkeypatch):
     """Guarantee: errors that outlast the retries fail the save with a CheckpointError
     naming the object; nothing is committed, its upload is aborted, and the earlier

@@ -11,7 +11,9 @@ save's id, so two saves of one step (a relaunch racing a zombie job) never write
 object. Once every rank's upload has completed, rank 0 writes ``manifest.json`` with a
 create-only write (``If-None-Match: *`` on S3): the write is the commit, and of two
 saves of one step only one can make it; the other fails naming the step and removes its
-own objects. A step is listed only if its manifest exists, so an upload cut off at any
+own objects. A write refused as "exists" first reads back the manifest in place: this
+save's own (its answer was lost, the retry refused) is a commit; one that cannot be read
+back fails the save without deleting anything a manifest lists. A step is listed only if its manifest exists, so an upload cut off at any
 instant is never listed. Every move (retire, replace, put back) writes its manifest
 create-only too, so it never lands on another save's commit.
 
@@ -27,8 +29,10 @@ committed steps alone (``core/ownership.py``).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import time
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +45,7 @@ from .store_path import StorePath
 
 STALE_ENV = "UNBROKEN_STALE_UPLOAD_S"
 _SHARD_RE = re.compile(r"^rank_\d{5}-([0-9a-f]{12})\.bin$")
+_READ_BACK_WAITS = (0.0, 0.2, 1.0, 3.0)  # seconds before each read of a manifest found in place
 
 
 def stale_after() -> float:
@@ -162,9 +167,16 @@ class StoreMedium:
         try:
             self.store.put(key, data, create=True)
         except FileExistsError:
-            with contextlib.suppress(Exception):
-                if self.store.read(key) == data:
-                    return  # our own write, whose answer was lost and which was retried
+            won = self._winner(key)
+            if won == data:
+                return  # our own write, whose answer was lost and which was retried
+            if won is None:
+                raise CheckpointError(
+                    f"the commit of step {step} at {final} cannot be confirmed: the store "
+                    "refused its manifest as already written, then could not return it. "
+                    "Nothing a committed manifest lists was removed; run `unbroken verify "
+                    f"{final}` before relying on it, or save again"
+                ) from None
             raise CheckpointError(
                 f"another save committed step {step} at {final} while this one was "
                 "uploading: two jobs must not share a checkpoint prefix. This save's "
@@ -172,14 +184,35 @@ class StoreMedium:
                 "other job or use another path"
             ) from None
 
+    def _winner(self, key: str) -> bytes | None:
+        """The manifest that a create-only write found in place, read back (a store that
+        has just taken a write may not return it at once), or None if it cannot be."""
+        for wait in _READ_BACK_WAITS:
+            time.sleep(wait)
+            try:
+                return self.store.read(key)
+            except (FileNotFoundError, CheckpointError):
+                continue
+        return None
+
     def swap(self, partial: StorePath, final: StorePath) -> bool:
         return False  # no atomic exchange: the old copy is moved aside first
 
     def discard(self, partial: StorePath) -> None:
+        # Never an object a committed manifest lists: a commit whose answer was lost is
+        # committed all the same. An unreadable manifest keeps them all (the stale-upload
+        # clean-up, which reads manifests, removes them later if nothing lists them).
         suffix = f"-{partial.tag}.bin"
-        listed = self.store.listing(partial.key)
         with contextlib.suppress(CheckpointError):
-            self.store.delete([(partial / r).key for r in listed if r.endswith(suffix)])
+            listed = self.store.listing(partial.key)
+            ours = [r for r in listed if r.endswith(suffix)]
+            if ours and MANIFEST in listed:
+                try:
+                    kept = set(json.loads(self.store.read((partial / MANIFEST).key))["files"])
+                except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+                    return
+                ours = [r for r in ours if r not in kept]
+            self.store.delete([(partial / r).key for r in ours])
 
     def unlist(self, folder: StorePath) -> StorePath:
         self.store.delete([(folder / MANIFEST).key])  # unlisted: the rest is garbage
