@@ -35,6 +35,12 @@ def layer_count(total_mb: float, width: int = 2048, bias: bool = False) -> int:
     return max(1, round(total_mb * 1e6 / ((width * width + width * bias) * 4 * 3)))
 
 
+def linears(total_mb: float, width: int = 2048, bias: bool = False) -> nn.Sequential:
+    """Those layers, on the default device (``with torch.device("meta")``: no memory)."""
+    layers = layer_count(total_mb, width, bias)
+    return nn.Sequential(*(nn.Linear(width, width, bias=bias) for _ in range(layers)))
+
+
 def build_state(
     total_mb: float, width: int = 2048, device: torch.device | None = None, *, bias: bool = False
 ) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -43,8 +49,7 @@ def build_state(
     device = device or torch.device("cpu")
     torch.manual_seed(0)
     with device:
-        layers = layer_count(total_mb, width, bias)
-        model = nn.Sequential(*(nn.Linear(width, width, bias=bias) for _ in range(layers)))
+        model = linears(total_mb, width, bias)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
         for p in model.parameters():
             p.grad = torch.randn_like(p)
@@ -98,12 +103,17 @@ def repeat(
     for _ in range(runs):
         if setup is not None:
             setup()
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(seconds(fn, device))
     return times
+
+
+def seconds(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    """Seconds of one call of ``fn``, the device synchronized before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 @dataclasses.dataclass
@@ -194,10 +204,12 @@ def exit_at_once(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-def rss() -> int:
-    """Resident memory of this process, in bytes (``/proc/self/statm``)."""
+def rss(*, children: bool = False) -> int:
+    """Resident memory of this process, in bytes (``/proc/self/statm``); with
+    ``children``, plus the private memory of its children (:func:`children_anon`)."""
     with open("/proc/self/statm", "rb") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        own = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return own + (children_anon() if children else 0)
 
 
 def children_anon() -> int:
@@ -247,7 +259,7 @@ class PeakRSS:
             os.close(fd)
 
     def __enter__(self) -> PeakRSS:
-        self.base = self.peak = rss() + (children_anon() if self.children else 0)
+        self.base = self.peak = rss(children=self.children)
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()

@@ -283,10 +283,7 @@ def _restore_worker() -> None:
     parser.add_argument("--digest", action="store_true")
     args = parser.parse_args()
     with torch.device("meta"):
-        layers = common.layer_count(args.mb, args.width)
-        like = nn.Sequential(
-            *(nn.Linear(args.width, args.width, bias=False) for _ in range(layers))
-        )
+        like = common.linears(args.mb, args.width)
     model, opt = common.fresh_like(like)
     contenders.import_library(args.family)
     common.release_free_memory()

@@ -55,8 +55,7 @@ def build(total_mb: float, width: int, mesh: DeviceMesh, *, seed: int, trained: 
     """The model sharded on the meta device, then materialized; ``trained``: AdamW after
     one step, else a fresh AdamW without state."""
     with torch.device("meta"):
-        layers = common.layer_count(total_mb, width)
-        model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+        model = common.linears(total_mb, width)
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
