@@ -3,6 +3,7 @@ machine it runs on (tables and pages: ``report.py``; the ways to save: ``contend
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import dataclasses
@@ -26,6 +27,7 @@ from torch import nn
 import unbroken as ub
 
 ROOT = Path(__file__).resolve().parent.parent
+QUICK_MB, QUICK_WIDTH = 4.0, 256  # --quick: a tiny state, in every part
 
 # The training state ---------------------------------------------------------------------
 
@@ -81,6 +83,16 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     for s in opt.state.values():
         n += sum(t.numel() * t.element_size() for t in s.values() if isinstance(t, torch.Tensor))
     return n
+
+
+def scale(
+    args: argparse.Namespace, sizes: list[float], width: int, runs: int, quick_runs: int = 1
+) -> tuple[list[float], int, int]:
+    """The state sizes (MB), Linear width and runs a part measures: with ``--quick`` the
+    tiny state and ``quick_runs``, else ``sizes``; ``--width``, ``--repeats`` where given."""
+    if args.quick:
+        return [QUICK_MB], args.width or QUICK_WIDTH, quick_runs
+    return sizes, args.width or width, args.repeats or runs
 
 
 # Timing and memory ----------------------------------------------------------------------

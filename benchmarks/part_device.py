@@ -28,7 +28,7 @@ import rounds
 from report import Page, Target, bullets, factor, kept, median, median_span, over, size_text, table
 
 PAGE = Page(common.ROOT / "docs" / "benchmarks-gpu.md")
-WIDTH, QUICK_WIDTH, MB, QUICK_MB, RUNS, QUICK_RUNS = 4096, 256, 3200, 4, 3, 2
+WIDTH, MB, RUNS, QUICK_RUNS = 4096, 3200, 3, 2
 # DCP's writer fsyncs each file but not the folders: ours adds that pass, timed in.
 CONTENDERS = [
     contenders.Ours, contenders.OursAsync, contenders.OursOverlap,
@@ -132,9 +132,8 @@ def floors(tensors: list[torch.Tensor], device: torch.device, folder: Path, runs
 def measure(args: argparse.Namespace, log) -> dict:
     """The part's figures, as ``--results`` keeps them (and ``--render`` reads)."""
     device = args.device
-    runs = args.repeats or (QUICK_RUNS if args.quick else RUNS)
-    width = args.width or (QUICK_WIDTH if args.quick else WIDTH)
-    mb = QUICK_MB if args.quick else args.sizes[0] if args.sizes else MB
+    quick_runs = args.repeats or QUICK_RUNS
+    (mb, *_), width, runs = common.scale(args, args.sizes or [MB], WIDTH, RUNS, quick_runs)
     model, opt = common.build_state(mb, width, device, bias=True)
     nbytes = common.state_bytes(model, opt)
     fused = "fused " if device.type == "cuda" else ""

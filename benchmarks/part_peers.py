@@ -42,7 +42,7 @@ from report import (
 )
 
 SECTION = Section("peers")
-SIZES, QUICK_MB, WIDTH, QUICK_WIDTH, REPEATS = [300, 1200], 4.0, 2048, 256, 5
+SIZES, WIDTH, REPEATS = [300, 1200], 2048, 5
 CONTENDERS = [
     contenders.Ours, contenders.OursOverlap, contenders.OursAsync, contenders.DcpSave,
     contenders.DcpSave2, contenders.DcpAsync, contenders.TorchSave, contenders.TcSync,
@@ -126,9 +126,7 @@ def measure(args: argparse.Namespace, log) -> dict:
     """Every size's figures, as ``--results`` keeps them (and ``--render`` reads)."""
     cpu = torch.device("cpu")
     info = {**common.machine_info(args.tmpdir), "torch-checkpointing": contenders.tc_version()}
-    sizes = [QUICK_MB] if args.quick else args.peer_sizes or SIZES
-    width = args.width or (QUICK_WIDTH if args.quick else WIDTH)
-    repeats = 1 if args.quick else args.repeats or REPEATS
+    sizes, width, repeats = common.scale(args, args.peer_sizes or SIZES, WIDTH, REPEATS)
     out = []
     for mb in sizes:
         model, opt = common.build_state(mb, width)

@@ -35,6 +35,7 @@ from common import (
     machine_info,
     release_free_memory,
     run_rounds,
+    scale,
     source_digests,
     state_bytes,
     state_tensors,
@@ -58,7 +59,7 @@ from contenders import (
 # library's own function (the one a save and a restore call for every tensor).
 from unbroken.format.fingerprint import fingerprint
 
-SIZES, QUICK_MB, WIDTH, QUICK_WIDTH, REPEATS = [300, 1200, 3000], 4.0, 2048, 256, 5
+SIZES, WIDTH, REPEATS = [300, 1200, 3000], 2048, 5
 
 
 @dataclasses.dataclass
@@ -247,11 +248,8 @@ def measure(args: argparse.Namespace, log) -> dict:
     sources = source_digests()
     info = machine_info(args.tmpdir, sources=sources)
     log("machine: " + "; ".join(f"{k} {v}" for k, v in info.items()))
-    sizes, width = ([QUICK_MB], QUICK_WIDTH) if args.quick else (args.sizes or SIZES, WIDTH)
-    repeats = 1 if args.quick else args.repeats or REPEATS
-    results = [
-        bench_size(mb, args.width or width, repeats, args.tmpdir, args.ranks, log) for mb in sizes
-    ]
+    sizes, width, repeats = scale(args, args.sizes or SIZES, WIDTH, REPEATS)
+    results = [bench_size(mb, width, repeats, args.tmpdir, args.ranks, log) for mb in sizes]
     now = source_digests()
     changed = sorted(f for f in sources.keys() | now.keys() if sources.get(f) != now.get(f))
     if changed:
