@@ -69,7 +69,6 @@ class Row:
     label: str
     m: Measurement | None
     error: str | None = None
-    na: bool = False  # not applicable (a feature not available), not a failure
 
 
 @dataclasses.dataclass
@@ -82,7 +81,6 @@ class SizeResult:
     ntensors: int
     repeats: int
     rows: dict[str, Row]
-    notes: list[str]
     fsdp: dict[str, Any] | None
     load: dict[str, float]  # phase -> cores other processes kept busy meanwhile
 
@@ -239,7 +237,7 @@ def bench_size(mb: float, width: int, repeats: int, tmp: str, ranks: int, log) -
             load["FSDP2"] = other.cores
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return SizeResult(mb, b.nbytes, len(b.tensors), repeats, b.rows, [], fsdp, load)
+    return SizeResult(mb, b.nbytes, len(b.tensors), repeats, b.rows, fsdp, load)
 
 
 def measure(args: argparse.Namespace, log) -> dict:
@@ -261,13 +259,14 @@ def measure(args: argparse.Namespace, log) -> dict:
 
 
 def load_sizes(data: dict) -> list[SizeResult]:
-    """The sizes :func:`measure` kept (``--results``), as objects again."""
+    """The sizes :func:`measure` kept (``--results``), as objects again (older files also
+    hold an empty ``notes`` per size and an ``na`` per row, never set: left out)."""
     out = []
     for r in data["results"]:
-        r = dict(r)
+        r = {k: v for k, v in r.items() if k != "notes"}
         rows = {}
         for key, row in r.pop("rows").items():
             m = Measurement(**row["m"]) if row["m"] else None
-            rows[key] = Row(row["label"], m, row["error"], row["na"])
+            rows[key] = Row(row["label"], m, row["error"])
         out.append(SizeResult(rows=rows, **r))
     return out
