@@ -23,6 +23,7 @@ from typing import NoReturn
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import unbroken as ub
 
@@ -79,10 +80,10 @@ def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Te
 
 
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    n = sum(p.numel() * p.element_size() for p in model.parameters())
-    for s in opt.state.values():
-        n += sum(t.numel() * t.element_size() for t in s.values() if isinstance(t, torch.Tensor))
-    return n
+    """Bytes of every tensor of the training state (of a DTensor: this rank's shard)."""
+    tensors = [*model.parameters(), *(t for s in opt.state.values() for t in s.values())]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def scale(
