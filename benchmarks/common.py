@@ -3,6 +3,7 @@ machine it runs on (tables and pages: ``report.py``; the ways to save: ``contend
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import dataclasses
@@ -22,10 +23,12 @@ from typing import NoReturn
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import unbroken as ub
 
 ROOT = Path(__file__).resolve().parent.parent
+QUICK_MB, QUICK_WIDTH = 4.0, 256  # --quick: a tiny state, in every part
 
 # The training state ---------------------------------------------------------------------
 
@@ -33,6 +36,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def layer_count(total_mb: float, width: int = 2048, bias: bool = False) -> int:
     """Linear(width, width) layers whose weights and AdamW moments make ``total_mb``."""
     return max(1, round(total_mb * 1e6 / ((width * width + width * bias) * 4 * 3)))
+
+
+def linears(total_mb: float, width: int = 2048, bias: bool = False) -> nn.Sequential:
+    """Those layers, on the default device (``with torch.device("meta")``: no memory)."""
+    layers = layer_count(total_mb, width, bias)
+    return nn.Sequential(*(nn.Linear(width, width, bias=bias) for _ in range(layers)))
 
 
 def build_state(
@@ -43,8 +52,7 @@ def build_state(
     device = device or torch.device("cpu")
     torch.manual_seed(0)
     with device:
-        layers = layer_count(total_mb, width, bias)
-        model = nn.Sequential(*(nn.Linear(width, width, bias=bias) for _ in range(layers)))
+        model = linears(total_mb, width, bias)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
         for p in model.parameters():
             p.grad = torch.randn_like(p)
@@ -72,10 +80,20 @@ def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Te
 
 
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    n = sum(p.numel() * p.element_size() for p in model.parameters())
-    for s in opt.state.values():
-        n += sum(t.numel() * t.element_size() for t in s.values() if isinstance(t, torch.Tensor))
-    return n
+    """Bytes of every tensor of the training state (of a DTensor: this rank's shard)."""
+    tensors = [*model.parameters(), *(t for s in opt.state.values() for t in s.values())]
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
+def scale(
+    args: argparse.Namespace, sizes: list[float], width: int, runs: int, quick_runs: int = 1
+) -> tuple[list[float], int, int]:
+    """The state sizes (MB), Linear width and runs a part measures: with ``--quick`` the
+    tiny state and ``quick_runs``, else ``sizes``; ``--width``, ``--repeats`` where given."""
+    if args.quick:
+        return [QUICK_MB], args.width or QUICK_WIDTH, quick_runs
+    return sizes, args.width or width, args.repeats or runs
 
 
 # Timing and memory ----------------------------------------------------------------------
@@ -98,12 +116,17 @@ def repeat(
     for _ in range(runs):
         if setup is not None:
             setup()
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
+        times.append(seconds(fn, device))
     return times
+
+
+def seconds(fn: Callable[[], object], device: torch.device | None = None) -> float:
+    """Seconds of one call of ``fn``, the device synchronized before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 @dataclasses.dataclass
@@ -194,10 +217,12 @@ def exit_at_once(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-def rss() -> int:
-    """Resident memory of this process, in bytes (``/proc/self/statm``)."""
+def rss(*, children: bool = False) -> int:
+    """Resident memory of this process, in bytes (``/proc/self/statm``); with
+    ``children``, plus the private memory of its children (:func:`children_anon`)."""
     with open("/proc/self/statm", "rb") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        own = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return own + (children_anon() if children else 0)
 
 
 def children_anon() -> int:
@@ -247,7 +272,7 @@ class PeakRSS:
             os.close(fd)
 
     def __enter__(self) -> PeakRSS:
-        self.base = self.peak = rss() + (children_anon() if self.children else 0)
+        self.base = self.peak = rss(children=self.children)
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()

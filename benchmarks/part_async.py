@@ -26,7 +26,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import unbroken as ub
-from common import build_state, machine_info, repeat, state_bytes, state_tensors
+from common import build_state, machine_info, repeat, scale, state_bytes, state_tensors
 from contenders import copy_into
 from report import Section, inline, kept, ratio, table
 
@@ -96,8 +96,8 @@ def bench_mode(loop: Loop, mode: bool | str, root: Path, repeats: int) -> dict[s
 
 def measure(args: argparse.Namespace, log) -> dict:
     """The part's figures, as ``--results`` keeps them (and ``--render`` reads)."""
-    mb, width, batch, repeats = (4.0, 256, 8, 2) if args.quick else (
-        args.async_mb, args.width or WIDTH, args.batch, args.repeats or REPEATS)  # fmt: skip
+    (mb,), width, repeats = scale(args, [args.async_mb], WIDTH, REPEATS, 2)
+    batch = 8 if args.quick else args.batch
     info = machine_info(args.tmpdir)
     model, opt = build_state(mb, width)
     tensors = state_tensors(model, opt)

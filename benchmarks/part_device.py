@@ -25,10 +25,10 @@ import torch
 import common
 import contenders
 import rounds
-from report import Page, Target, bullets, factor, kept, median, median_span, size_text, table
+from report import Page, Target, bullets, factor, kept, median, median_span, over, size_text, table
 
 PAGE = Page(common.ROOT / "docs" / "benchmarks-gpu.md")
-WIDTH, QUICK_WIDTH, MB, QUICK_MB, RUNS, QUICK_RUNS = 4096, 256, 3200, 4, 3, 2
+WIDTH, MB, RUNS, QUICK_RUNS = 4096, 3200, 3, 2
 # DCP's writer fsyncs each file but not the folders: ours adds that pass, timed in.
 CONTENDERS = [
     contenders.Ours, contenders.OursAsync, contenders.OursOverlap,
@@ -132,9 +132,8 @@ def floors(tensors: list[torch.Tensor], device: torch.device, folder: Path, runs
 def measure(args: argparse.Namespace, log) -> dict:
     """The part's figures, as ``--results`` keeps them (and ``--render`` reads)."""
     device = args.device
-    runs = args.repeats or (QUICK_RUNS if args.quick else RUNS)
-    width = args.width or (QUICK_WIDTH if args.quick else WIDTH)
-    mb = QUICK_MB if args.quick else args.sizes[0] if args.sizes else MB
+    quick_runs = args.repeats or QUICK_RUNS
+    (mb, *_), width, runs = common.scale(args, args.sizes or [MB], WIDTH, RUNS, quick_runs)
     model, opt = common.build_state(mb, width, device, bias=True)
     nbytes = common.state_bytes(model, opt)
     fused = "fused " if device.type == "cuda" else ""
@@ -194,13 +193,9 @@ class Run:
             "cold": "cold read",
         }
 
-    def med(self, key: str | None) -> float | None:
-        v = self.fig.get(key) if key else None
+    def med(self, key: str) -> float | None:
+        v = self.fig.get(key)
         return median(v) if isinstance(v, list) else None
-
-    def over(self, key: str, ref: float | None) -> float | None:
-        v = self.med(key)
-        return v / ref if v is not None and ref else None
 
     def _cells(self, key: str) -> list[str]:
         v = self.fig.get(key, "not measured")
@@ -220,9 +215,9 @@ class Run:
             if key.startswith("ours_") and key.endswith(("_warm", "_cold")):
                 label += f" (verified: {self.verified} of {restores} restores)"
             ref = self.floors.get(floor) if floor else None
-            vs_dcp = factor(self.over(key, self.med(dcp))) if dcp else "-"
+            vs_dcp = factor(over(self.med(key), self.med(dcp))) if dcp else "-"
             rows.append([label, *self._cells(key), self.floor_names.get(floor or "", "-"),
-                         factor(self.over(key, ref)), vs_dcp])  # fmt: skip
+                         factor(over(self.med(key), ref)), vs_dcp])  # fmt: skip
         return table(["", "median (s)", "min-max (s)", "floor", "x floor", "x DCP"], rows)
 
     def targets(self) -> list[Target]:
@@ -250,7 +245,7 @@ class Run:
             (f"ours: async_save=True blocked vs {names['copy']}", "ours_async.blocked",
              f["copy"], 0.05, "<= 0.05x"),
         ]:  # fmt: skip
-            add(name, self.over(key, ref), limit, wanted)
+            add(name, over(self.med(key), ref), limit, wanted)
         for key, what in (("first_blocked", "first save"), ("blocked", "later saves")):
             ms = self.med(f"ours_overlap.{key}")
             per_gb = ms * 1000 / gb if ms is not None else None
@@ -260,7 +255,7 @@ class Run:
             for peer, who in (("dcp_async", "DCP's async_save"),
                               ("tc_async", "torch-checkpointing's async save")):  # fmt: skip
                 add(f"ours: {name} until durable vs {who}",
-                    self.over(f"{mode}.durable", self.med(f"{peer}.durable")), 1.0,
+                    over(self.med(f"{mode}.durable"), self.med(f"{peer}.durable")), 1.0,
                     "ahead (< 1x)")  # fmt: skip
         return out
 

@@ -36,12 +36,13 @@ from report import (
     median,
     median_span,
     ratio,
+    runs,
     table,
     why_missed,
 )
 
 SECTION = Section("peers")
-SIZES, QUICK_MB, WIDTH, QUICK_WIDTH, REPEATS = [300, 1200], 4.0, 2048, 256, 5
+SIZES, WIDTH, REPEATS = [300, 1200], 2048, 5
 CONTENDERS = [
     contenders.Ours, contenders.OursOverlap, contenders.OursAsync, contenders.DcpSave,
     contenders.DcpSave2, contenders.DcpAsync, contenders.TorchSave, contenders.TcSync,
@@ -125,9 +126,7 @@ def measure(args: argparse.Namespace, log) -> dict:
     """Every size's figures, as ``--results`` keeps them (and ``--render`` reads)."""
     cpu = torch.device("cpu")
     info = {**common.machine_info(args.tmpdir), "torch-checkpointing": contenders.tc_version()}
-    sizes = [QUICK_MB] if args.quick else args.peer_sizes or SIZES
-    width = args.width or (QUICK_WIDTH if args.quick else WIDTH)
-    repeats = 1 if args.quick else args.repeats or REPEATS
+    sizes, width, repeats = common.scale(args, args.peer_sizes or SIZES, WIDTH, REPEATS)
     out = []
     for mb in sizes:
         model, opt = common.build_state(mb, width)
@@ -147,11 +146,6 @@ def measure(args: argparse.Namespace, log) -> dict:
 
 
 # Rendering ------------------------------------------------------------------------------
-
-
-def _list(fig: dict, key: str) -> list:
-    v = fig.get(key)
-    return v if isinstance(v, list) else []
 
 
 def _secs(xs: list[float]) -> str:
@@ -178,7 +172,7 @@ def _tables(fig: dict, notes: list[str]) -> str:
     saves = []
     for c in CONTENDERS:
         base = BASELINE[c.kind]
-        blocked, durable = _list(fig, f"{c.key}.blocked"), _list(fig, f"{c.key}.durable")
+        blocked, durable = runs(fig, f"{c.key}.blocked"), runs(fig, f"{c.key}.durable")
         label, error = c.label, _error(fig, f"{c.key}.blocked")
         if error is not None:
             notes.append(f"{c.label}: failed on this machine, `{error}`.")
@@ -186,23 +180,23 @@ def _tables(fig: dict, notes: list[str]) -> str:
         elif not c.fsyncs:
             label += " *"
         ok = bool(blocked)
-        fsync = _secs(_list(fig, f"{c.key}.fsync")) if not c.fsyncs else "in its save"
-        saves.append([label, _secs(blocked), ratio(median(blocked), median(_list(fig, f"{base}.blocked"))),
-                      _secs(durable), ratio(median(durable), median(_list(fig, f"{base}.durable"))),
-                      fsync if ok else "-", _mb(max(_list(fig, f"{c.key}.peak"), default=0), ok),
-                      _mb(sum(_list(fig, f"{c.key}.kept")), error is None)])  # fmt: skip
+        fsync = _secs(runs(fig, f"{c.key}.fsync")) if not c.fsyncs else "in its save"
+        saves.append([label, _secs(blocked), ratio(median(blocked), median(runs(fig, f"{base}.blocked"))),
+                      _secs(durable), ratio(median(durable), median(runs(fig, f"{base}.durable"))),
+                      fsync if ok else "-", _mb(max(runs(fig, f"{c.key}.peak"), default=0), ok),
+                      _mb(sum(runs(fig, f"{c.key}.kept")), error is None)])  # fmt: skip
     restores = []
     for family, label in RESTORE_LABELS.items():
-        cold, warm = _list(fig, f"{family}_cold"), _list(fig, f"{family}_warm")
+        cold, warm = runs(fig, f"{family}_cold"), runs(fig, f"{family}_warm")
         error = _error(fig, f"{family}_cold") or _error(fig, f"{family}_warm")
         if error is not None:
             notes.append(f"{label}: failed, `{error}`.")
             label += f" [{len(notes)}]"
         ok = bool(cold)
-        restores.append([label, _secs(cold), ratio(median(cold), median(_list(fig, "ours_cold"))),
-                         _secs(warm), ratio(median(warm), median(_list(fig, "ours_warm"))),
-                         _mb(max(_list(fig, f"{family}_peak"), default=0), ok),
-                         _verdict(_list(fig, f"{family}_correct"))])  # fmt: skip
+        restores.append([label, _secs(cold), ratio(median(cold), median(runs(fig, "ours_cold"))),
+                         _secs(warm), ratio(median(warm), median(runs(fig, "ours_warm"))),
+                         _mb(max(runs(fig, f"{family}_peak"), default=0), ok),
+                         _verdict(runs(fig, f"{family}_correct"))])  # fmt: skip
     return "\n".join([
         table(["save", "blocked s", "x ours", "until durable s", "x ours", "fsync we added s",
                "peak extra MB", "kept MB"], saves), "",
@@ -229,27 +223,27 @@ def behind(fig: dict, nbytes: int) -> list[str]:
 
     for c in CONTENDERS:
         base = BASELINE[c.kind]
-        if c.key.startswith("ours") or not _list(fig, f"{c.key}.blocked"):
+        if c.key.startswith("ours") or not runs(fig, f"{c.key}.blocked"):
             continue
-        if not _list(fig, f"{base}.blocked"):
+        if not runs(fig, f"{base}.blocked"):
             continue
         for name in ("blocked", "durable"):
             what = "save blocked" if name == "blocked" else "save until durable"
-            slower(what, _list(fig, f"{base}.{name}"), _list(fig, f"{c.key}.{name}"), c.label,
+            slower(what, runs(fig, f"{base}.{name}"), runs(fig, f"{c.key}.{name}"), c.label,
                    labels[base])  # fmt: skip
         for name, field in (("peak extra memory", "peak"), ("memory kept between saves", "kept")):
-            a = max(_list(fig, f"{base}.{field}"), default=0)
-            b = max(_list(fig, f"{c.key}.{field}"), default=0)
+            a = max(runs(fig, f"{base}.{field}"), default=0)
+            b = max(runs(fig, f"{c.key}.{field}"), default=0)
             bigger(f"save {name}", a, max(0, b), c.label, labels[base])
-    ours = _list(fig, "ours_cold")
+    ours = runs(fig, "ours_cold")
     for family, label in RESTORE_LABELS.items():
-        if family == "ours" or not ours or not _list(fig, f"{family}_cold"):
+        if family == "ours" or not ours or not runs(fig, f"{family}_cold"):
             continue
         for temp in ("cold", "warm"):
-            slower(f"restore {temp}", _list(fig, f"ours_{temp}"), _list(fig, f"{family}_{temp}"),
+            slower(f"restore {temp}", runs(fig, f"ours_{temp}"), runs(fig, f"{family}_{temp}"),
                    label, "ours")  # fmt: skip
-        bigger("restore peak extra memory", max(_list(fig, "ours_peak")),
-               max(_list(fig, f"{family}_peak")), label, "ours")  # fmt: skip
+        bigger("restore peak extra memory", max(runs(fig, "ours_peak")),
+               max(runs(fig, f"{family}_peak")), label, "ours")  # fmt: skip
     return out
 
 
@@ -287,10 +281,7 @@ def _restore_worker() -> None:
     parser.add_argument("--digest", action="store_true")
     args = parser.parse_args()
     with torch.device("meta"):
-        layers = common.layer_count(args.mb, args.width)
-        like = nn.Sequential(
-            *(nn.Linear(args.width, args.width, bias=False) for _ in range(layers))
-        )
+        like = common.linears(args.mb, args.width)
     model, opt = common.fresh_like(like)
     contenders.import_library(args.family)
     common.release_free_memory()

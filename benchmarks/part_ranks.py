@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -55,8 +54,7 @@ def build(total_mb: float, width: int, mesh: DeviceMesh, *, seed: int, trained: 
     """The model sharded on the meta device, then materialized; ``trained``: AdamW after
     one step, else a fresh AdamW without state."""
     with torch.device("meta"):
-        layers = common.layer_count(total_mb, width)
-        model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+        model = common.linears(total_mb, width)
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -75,13 +73,6 @@ def build(total_mb: float, width: int, mesh: DeviceMesh, *, seed: int, trained: 
         opt.step()
         opt.zero_grad(set_to_none=True)
     return model, opt
-
-
-def local_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Bytes of this rank's shard of the state."""
-    tensors = [*model.parameters(), *(t for s in opt.state.values() for t in s.values())]
-    locals_ = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if torch.is_tensor(t)]
-    return sum(t.numel() * t.element_size() for t in locals_)
 
 
 def _result(case: common.Case) -> dict:
@@ -148,7 +139,7 @@ def worker(args: argparse.Namespace) -> None:
     ours.close()
     results = {c.key: _result(c) for c in saves + restores}
     shard = [0] * world
-    dist.all_gather_object(shard, local_bytes(model, opt))
+    dist.all_gather_object(shard, common.state_bytes(model, opt))
     if rank == 0:
         result = {"world": world, "shard_bytes": shard, "cases": results}
         Path(args.out).write_text(json.dumps(result, indent=1))

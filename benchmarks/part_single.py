@@ -35,6 +35,7 @@ from common import (
     machine_info,
     release_free_memory,
     run_rounds,
+    scale,
     source_digests,
     state_bytes,
     state_tensors,
@@ -58,7 +59,7 @@ from contenders import (
 # library's own function (the one a save and a restore call for every tensor).
 from unbroken.format.fingerprint import fingerprint
 
-SIZES, QUICK_MB, WIDTH, QUICK_WIDTH, REPEATS = [300, 1200, 3000], 4.0, 2048, 256, 5
+SIZES, WIDTH, REPEATS = [300, 1200, 3000], 2048, 5
 
 
 @dataclasses.dataclass
@@ -68,7 +69,6 @@ class Row:
     label: str
     m: Measurement | None
     error: str | None = None
-    na: bool = False  # not applicable (a feature not available), not a failure
 
 
 @dataclasses.dataclass
@@ -81,7 +81,6 @@ class SizeResult:
     ntensors: int
     repeats: int
     rows: dict[str, Row]
-    notes: list[str]
     fsdp: dict[str, Any] | None
     load: dict[str, float]  # phase -> cores other processes kept busy meanwhile
 
@@ -238,7 +237,7 @@ def bench_size(mb: float, width: int, repeats: int, tmp: str, ranks: int, log) -
             load["FSDP2"] = other.cores
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    return SizeResult(mb, b.nbytes, len(b.tensors), repeats, b.rows, [], fsdp, load)
+    return SizeResult(mb, b.nbytes, len(b.tensors), repeats, b.rows, fsdp, load)
 
 
 def measure(args: argparse.Namespace, log) -> dict:
@@ -247,11 +246,8 @@ def measure(args: argparse.Namespace, log) -> dict:
     sources = source_digests()
     info = machine_info(args.tmpdir, sources=sources)
     log("machine: " + "; ".join(f"{k} {v}" for k, v in info.items()))
-    sizes, width = ([QUICK_MB], QUICK_WIDTH) if args.quick else (args.sizes or SIZES, WIDTH)
-    repeats = 1 if args.quick else args.repeats or REPEATS
-    results = [
-        bench_size(mb, args.width or width, repeats, args.tmpdir, args.ranks, log) for mb in sizes
-    ]
+    sizes, width, repeats = scale(args, args.sizes or SIZES, WIDTH, REPEATS)
+    results = [bench_size(mb, width, repeats, args.tmpdir, args.ranks, log) for mb in sizes]
     now = source_digests()
     changed = sorted(f for f in sources.keys() | now.keys() if sources.get(f) != now.get(f))
     if changed:
@@ -263,13 +259,14 @@ def measure(args: argparse.Namespace, log) -> dict:
 
 
 def load_sizes(data: dict) -> list[SizeResult]:
-    """The sizes :func:`measure` kept (``--results``), as objects again."""
+    """The sizes :func:`measure` kept (``--results``), as objects again (older files also
+    hold an empty ``notes`` per size and an ``na`` per row, never set: left out)."""
     out = []
     for r in data["results"]:
-        r = dict(r)
+        r = {k: v for k, v in r.items() if k != "notes"}
         rows = {}
         for key, row in r.pop("rows").items():
             m = Measurement(**row["m"]) if row["m"] else None
-            rows[key] = Row(row["label"], m, row["error"], row["na"])
+            rows[key] = Row(row["label"], m, row["error"])
         out.append(SizeResult(rows=rows, **r))
     return out

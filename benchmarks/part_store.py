@@ -76,9 +76,7 @@ def measure(args: argparse.Namespace, log) -> dict:
     """The part's figures, as ``--results`` keeps them (and ``--render`` reads)."""
     import fsspec
 
-    mb, width, repeats = (
-        (4.0, 256, 1) if args.quick else (args.store_mb, 2048, args.repeats or REPEATS)
-    )
+    (mb,), width, repeats = common.scale(args, [args.store_mb], 2048, REPEATS)
     info = common.machine_info(args.tmpdir)
     model, opt = common.build_state(mb, width)
     results: dict[str, list[float]] = {}

@@ -16,13 +16,12 @@ import shutil
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from common import build_state, drop_page_cache, fresh_like, state_bytes, synchronize
+from common import build_state, drop_page_cache, fresh_like, seconds, state_bytes
 from contenders import Ours, restore
 from report import size_text, table
 
@@ -133,12 +132,8 @@ def profile(mb: float, width: int, tmp: str, top: int, device: torch.device) -> 
             timings = []
             for profiled in (False, True):
                 setup()
-                synchronize(device)
                 with ThreadProfiles() if profiled else contextlib.nullcontext() as profiles:
-                    start = time.perf_counter()
-                    fn()
-                    synchronize(device)
-                    timings.append(time.perf_counter() - start)
+                    timings.append(seconds(fn, device))
             plain, wall = timings
             out.append(
                 f"== cProfile of ours, {name}: {size_text(nbytes)} on {device}; {plain:.3f} s "

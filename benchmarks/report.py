@@ -52,6 +52,12 @@ def median(times: list[float] | None) -> float | None:
     return statistics.median(times) if times else None
 
 
+def runs(figures: Mapping[str, list | str], key: str) -> list:
+    """The runs of figure ``key``: its list, or [] where it holds why there is none."""
+    v = figures.get(key)
+    return v if isinstance(v, list) else []
+
+
 def factor(value: float | None, suffix: str = "x") -> str:
     """``1.23x``, or ``-`` where there is nothing to show."""
     return "-" if value is None else f"{value:.2f}{suffix}"

@@ -61,7 +61,7 @@ def run(
                 fail(cls.key, contenders.TC_MISSING)
                 continue
             common.release_free_memory()
-            before = common.rss() + common.children_anon()
+            before = common.rss(children=True)
             try:
                 live.append(cls(root, *state, device))
                 common.synchronize(device)
@@ -73,7 +73,7 @@ def run(
             common.release_free_memory()
             fig.update({f"{cls.key}.{f}": [] for f in SAVE_FIELDS})
             fig[f"{cls.key}.first_blocked"] = [first.blocked]
-            fig[f"{cls.key}.kept"] = [common.rss() + common.children_anon() - before]
+            fig[f"{cls.key}.kept"] = [common.rss(children=True) - before]
         verified = 0
         for i in range(runs):
             _saves(common.rotated(live, i), fig, set(sources.values()), device, fail, memory)

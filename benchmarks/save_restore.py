@@ -43,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+import common
 import part_async
 import part_device
 import part_peers
@@ -137,9 +138,8 @@ def main(argv: list[str] | None = None, command: str | None = None) -> None:
     args.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # DCP, 1 process
     if args.profile:
-        sizes = args.sizes or [part_single.QUICK_MB if args.quick else 1200]
-        width = args.width or (part_single.QUICK_WIDTH if args.quick else part_single.WIDTH)
-        for mb in sizes:
+        sizes, width, _ = common.scale(args, [1200], part_single.WIDTH, 1)
+        for mb in args.sizes or sizes:
             print("\n" + profiling.profile(mb, width, args.tmpdir, args.top, args.device))
         return
     if args.render:

@@ -230,7 +230,7 @@ def size_tables(r: SizeResult) -> str:
         ]
     if r.fsdp is not None:
         parts += ["", fsdp_table(r)]
-    return "\n".join(parts + [f"\nNote: {note}" for note in r.notes])
+    return "\n".join(parts)
 
 
 def fsdp_table(r: SizeResult) -> str:
