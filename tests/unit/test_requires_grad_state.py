@@ -11,7 +11,7 @@ import torch
 import tamper
 import unbroken as ub
 from conftest import Problem
-from unbroken.format import manifest, tree
+from unbroken.format import manifest, state_compare, tree
 
 
 class Learnable:
@@ -80,10 +80,10 @@ def test_an_integer_tensor_marked_requires_grad_is_refused():
 def test_difference_names_a_lost_requires_grad():
     saved = {"w": {tree.TAG: "tensor", "key": "x/w", "requires_grad": True}}
     live = {"w": {tree.TAG: "tensor", "key": "x/w"}}
-    assert tree.difference(saved, live, "extra") == (
+    assert state_compare.difference(saved, live, "extra") == (
         "extra/w (saved requires_grad=True, live requires_grad=False)"
     )
-    assert tree.difference(saved, saved, "extra") is None
+    assert state_compare.difference(saved, saved, "extra") is None
 
 
 def test_a_sealed_manifest_marking_an_integer_tensor_is_damage_and_restore_falls_back(tmp_path):

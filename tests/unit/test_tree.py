@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 import json
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict, namedtuple
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import assert_identical
-from unbroken.format import manifest, tree
+from unbroken.format import manifest, state_compare, tree
 
 NAN, INF = float("nan"), float("inf")
 
@@ -143,6 +144,67 @@ def test_defaultdict_with_unsafe_factory_is_refused_naming_the_path(factory):
         tree.encode(value, "comp", {})
 
 
+class _Color(enum.IntEnum):
+    RED = 1
+
+
+class _Flag(enum.IntFlag):
+    A = 1
+
+
+class _Name(enum.StrEnum):
+    X = "x"
+
+
+class _Attrs(dict):
+    pass
+
+
+class _Ordered(OrderedDict):
+    pass
+
+
+class _Items(list):
+    pass
+
+
+_Pair = namedtuple("_Pair", "a b")
+
+
+@pytest.mark.parametrize(
+    ("value", "path", "kind", "base"),
+    [
+        ({"mode": _Color.RED}, "comp/mode", "_Color", "int"),
+        ({"flags": [1, _Flag.A]}, "comp/flags/1", "_Flag", "int"),
+        ({"name": _Name.X}, "comp/name", "_Name", "str"),
+        ({"pos": _Pair(1, 2)}, "comp/pos", "_Pair", "tuple"),
+        ({"shape": torch.Size([2, 3])}, "comp/shape", "Size", "tuple"),
+        ({"hp": _Attrs(lr=0.1)}, "comp/hp", "_Attrs", "dict"),
+        ({"od": _Ordered(a=1)}, "comp/od", "_Ordered", "dict"),
+        ({"xs": _Items([1])}, "comp/xs", "_Items", "list"),
+        ({"by": {_Color.RED: 1}}, "comp/by", "_Color", "int"),
+    ],
+    ids=[
+        "IntEnum",
+        "IntFlag in a list",
+        "str Enum",
+        "namedtuple",
+        "torch.Size",
+        "dict subclass",
+        "OrderedDict subclass",
+        "list subclass",
+        "IntEnum key",
+    ],
+)
+def test_subclasses_of_plain_types_are_refused_naming_path_and_type(value, path, kind, base):
+    """Issue 36, item 9: an IntEnum, a namedtuple, a dict subclass... came back as the
+    plain int, tuple or dict with verified=True. A restore never imports a class named in
+    a file, so they are refused at save, naming the path, the type and the fix."""
+    pattern = rf"cannot save {path}: a {kind} \(a subclass of {base}\) would come back as a plain"
+    with pytest.raises(TypeError, match=pattern):
+        tree.encode(value, "comp", {})
+
+
 @pytest.mark.parametrize(
     ("bad", "path"),
     [
@@ -201,5 +263,5 @@ def test_skeleton_difference_is_exact(a, b, where):
     """Verification compares non-tensor state exactly: int vs float, bool vs int, the sign
     of zero, the key order of tagged mappings, lengths and tags are differences, named by
     path; a skeleton and its JSON round trip have none."""
-    assert tree.difference(a, b, "c").startswith(where + " (")
-    assert tree.difference(a, json.loads(json.dumps(a)), "c") is None
+    assert state_compare.difference(a, b, "c").startswith(where + " (")
+    assert state_compare.difference(a, json.loads(json.dumps(a)), "c") is None

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..errors import CheckpointError, StateMismatchError
-from ..format import bitwise, fingerprint, layout, shards, tree
+from ..format import bitwise, fingerprint, layout, shards, state_compare
 from ..live.components import component_prefix
 from ..live.exchange import Exchange
 from ..live.state import Component, live_tensors
@@ -288,7 +288,7 @@ def live_problems(
             swap.keys, loaded.partials, live, loaded.algorithm, read_whole
         )
     expected = c.installed_skeleton(skeleton)
-    where = None if problems else tree.difference(expected, live_skeleton, c.name)
+    where = None if problems else state_compare.difference(expected, live_skeleton, c.name)
     if where is not None:
         problems.append(
             f"{c.name}: non-tensor state (hyperparameters, structure, types) differs from "

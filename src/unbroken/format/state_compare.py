@@ -1,5 +1,7 @@
 """Two manifests' saved state compared: one comparison for ``unbroken diff`` (non-tensor
-state) and the resume test (the whole final state, and checkpoints of the same step).
+state) and the resume test (the whole final state, and checkpoints of the same step); and
+:func:`difference`, where a restored component's live skeleton first differs from the
+saved one (the check after a restore).
 
 A component's state is its JSON skeleton (format/tree.py): containers, scalars and
 references to tensors. Two skeletons are walked side by side and every leaf compares by
@@ -206,3 +208,49 @@ def _is_ref(x: Any) -> bool:
 def _short(x: Any) -> str:
     text = repr(x)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def difference(saved: Any, live: Any, path: str) -> str | None:
+    """Where two skeletons first differ (``path/...`` with both values), or None.
+
+    Exact where JSON is: ``bool``, ``int``, ``float`` and ``str`` are told apart, floats
+    compare by the one rule of ``bitwise.same_float`` (``0.0`` is not ``-0.0``),
+    lists (and with them the items of every tagged container) compare in order. The member order of a JSON object is not
+    compared: manifests written before the container tags sorted it. Tensor references
+    compare by key and requires_grad (the values are compared elsewhere, by bits).
+    """
+    if _json_kind(saved) is not _json_kind(live):
+        return f"{path} (saved {saved!r}, live {live!r})"
+    if isinstance(saved, dict):
+        grad = _requires_grad(saved), _requires_grad(live)
+        if grad[0] != grad[1]:
+            return f"{path} (saved requires_grad={grad[0]}, live requires_grad={grad[1]})"
+        if set(saved) != set(live):
+            return f"{path} (saved keys {sorted(saved, key=str)}, live {sorted(live, key=str)})"
+        for k in saved:
+            found = difference(saved[k], live[k], f"{path}/{k}")
+            if found is not None:
+                return found
+        return None
+    if isinstance(saved, list):
+        if len(saved) != len(live):
+            return f"{path} (saved {len(saved)} items, live {len(live)})"
+        for i, (x, y) in enumerate(zip(saved, live, strict=True)):
+            found = difference(x, y, f"{path}/{i}")
+            if found is not None:
+                return found
+        return None
+    same = bitwise.same_float(saved, live) if isinstance(saved, float) else saved == live
+    return None if same else f"{path} (saved {saved!r}, live {live!r})"
+
+
+def _requires_grad(node: dict) -> bool | None:
+    """A tensor reference's requires_grad (None for any other node)."""
+    return node.get("requires_grad") is True if node.get(TAG) == "tensor" else None
+
+
+def _json_kind(value: Any) -> type:
+    for kind in (bool, int, float, str, dict, list):
+        if isinstance(value, kind):
+            return kind
+    return type(value)

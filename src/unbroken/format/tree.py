@@ -32,8 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import bitwise
-
 if TYPE_CHECKING:
     import torch
 
@@ -120,9 +118,8 @@ def _encode(value: Any, path: list, tensors: dict, key_for: Callable | None) -> 
         return {TAG: "tensor", "key": key}
     if isinstance(value, np.generic):  # before float and str: np.float64 and np.str_ are both
         return _encode_npscalar(value, path)
-    if value is None or isinstance(value, bool | str):
-        return value
-    if isinstance(value, int):
+    _refuse_subclass(value, path)
+    if value is None or isinstance(value, bool | str | int):
         return value
     if isinstance(value, float):
         if math.isfinite(value):
@@ -157,6 +154,27 @@ def _encode(value: Any, path: list, tensors: dict, key_for: Callable | None) -> 
         "is neither a tensor nor JSON-representable; return tensors, numbers, strings, "
         "lists or dicts from state_dict()"
     )
+
+
+_PLAIN = (bool, int, float, str, dict, list, tuple)
+
+
+def _refuse_subclass(value: Any, path: list) -> None:
+    """Refuse a subclass of a plain type (an ``IntEnum``, a ``namedtuple``, a dict
+    subclass): it would come back as the plain type (a class named for a restore to
+    import is what pickle does)."""
+    kind = type(value)
+    if kind in _PLAIN or kind in _MAPPING_TAGS or value is None:
+        return
+    mapping = dict if isinstance(value, Mapping) else None
+    base = next((b for b in _PLAIN if isinstance(value, b)), mapping)
+    if base is not None:
+        raise TypeError(
+            f"cannot save {_where(path) or '/'}: a {kind.__qualname__} (a subclass of "
+            f"{base.__name__}) would come back as a plain {base.__name__}; return a plain "
+            f"{base.__name__} from state_dict() ({base.__name__}(x), or x._asdict() for a "
+            "namedtuple) and rebuild it in load_state_dict()"
+        )
 
 
 def _plain_scalars(items: list | tuple) -> bool:
@@ -210,6 +228,8 @@ def _factory_name(factory: Any, path: list) -> str | None:
 def _encode_key(key: Any, path: list) -> Any:
     """A dict key or set member: a scalar, a numpy scalar, or a tuple or frozenset of
     them (hashable values only, so that the decoded value can be a key again)."""
+    if not isinstance(key, np.generic):
+        _refuse_subclass(key, path)
     if isinstance(key, tuple):
         return {TAG: "tuple", "items": [_encode_key(k, path) for k in key]}
     if type(key) is frozenset:
@@ -332,52 +352,6 @@ def _decode_mapping(skeleton: dict, tag: str, tensors: Mapping[str, torch.Tensor
         # Keys are plain JSON scalars, or tagged tuples/floats/numpy scalars (never tensors).
         out[decode(key, {}) if isinstance(key, dict) else key] = decode(value, tensors)
     return out
-
-
-def difference(saved: Any, live: Any, path: str) -> str | None:
-    """Where two skeletons first differ (``path/...`` with both values), or None.
-
-    Exact where JSON is: ``bool``, ``int``, ``float`` and ``str`` are told apart, floats
-    compare by the one rule of ``bitwise.same_float`` (``0.0`` is not ``-0.0``), lists (and with them the items of
-    every tagged container) compare in order. The member order of a JSON object is not
-    compared: manifests written before the container tags sorted it. Tensor references
-    compare by key and requires_grad (the values are compared elsewhere, by bits).
-    """
-    if _json_kind(saved) is not _json_kind(live):
-        return f"{path} (saved {saved!r}, live {live!r})"
-    if isinstance(saved, dict):
-        grad = _requires_grad(saved), _requires_grad(live)
-        if grad[0] != grad[1]:
-            return f"{path} (saved requires_grad={grad[0]}, live requires_grad={grad[1]})"
-        if set(saved) != set(live):
-            return f"{path} (saved keys {sorted(saved, key=str)}, live {sorted(live, key=str)})"
-        for k in saved:
-            found = difference(saved[k], live[k], f"{path}/{k}")
-            if found is not None:
-                return found
-        return None
-    if isinstance(saved, list):
-        if len(saved) != len(live):
-            return f"{path} (saved {len(saved)} items, live {len(live)})"
-        for i, (x, y) in enumerate(zip(saved, live, strict=True)):
-            found = difference(x, y, f"{path}/{i}")
-            if found is not None:
-                return found
-        return None
-    same = bitwise.same_float(saved, live) if isinstance(saved, float) else saved == live
-    return None if same else f"{path} (saved {saved!r}, live {live!r})"
-
-
-def _requires_grad(node: dict) -> bool | None:
-    """A tensor reference's requires_grad (None for any other node)."""
-    return node.get("requires_grad") is True if node.get(TAG) == "tensor" else None
-
-
-def _json_kind(value: Any) -> type:
-    for kind in (bool, int, float, str, dict, list):
-        if isinstance(value, kind):
-            return kind
-    return type(value)
 
 
 def tensor_keys(skeleton: Any) -> list[str]:
