@@ -29,11 +29,11 @@ def _on_first_manifest_read(monkeypatch, act) -> list:
     """Run ``act(folder)`` once, when the command first reads a manifest."""
     real, seen = manifest.read, []
 
-    def read(folder):
+    def read(folder, *args, **kwargs):
         if not seen:
             seen.append(folder)
             act(folder)
-        return real(folder)
+        return real(folder, *args, **kwargs)
 
     monkeypatch.setattr(manifest, "read", read)
     return seen
