@@ -114,6 +114,36 @@ def test_a_failed_upload_loses_nothing_and_keeps_the_order(url, monkeypatch):
     assert read_series(url).steps("loss") == [1, 2, 3, 4, 5]
 
 
+def test_a_save_whose_record_upload_fails_says_so_in_its_warnings(url, monkeypatch, caplog):
+    """Issue 36, item 16 (d): every upload of the metrics record fails (the store answers
+    500 until the retries are spent). The save succeeds, rightly, and its warnings (and
+    the log) say how many tracked steps are not in the store's record, naming the object;
+    once the store answers again they are written."""
+    monkeypatch.setenv("UNBROKEN_STORE_RETRIES", "1")
+    real_put = Store.put
+    failing = {"on": True}
+
+    def put(self, key, data, **kw):
+        if "/metrics/" in key and failing["on"]:
+            raise CheckpointError(f"writing {key}: the store answered 500 (injected)")
+        return real_put(self, key, data, **kw)
+
+    monkeypatch.setattr(Store, "put", put)
+    p = Problem()
+    ckpt = p.checkpointer(url)
+    with caplog.at_level("WARNING", logger="unbroken"):
+        _train(p, ckpt, 1, 3, save_at={3})
+    [note] = [w for w in ckpt.warnings if "metrics record" in w]
+    assert note.startswith("3 tracked step(s) are not in the metrics record yet")
+    assert "/metrics/" in note and "500" in note
+    assert note in caplog.text
+    failing["on"] = False
+    _train(p, ckpt, 4, 4, save_at={4})
+    assert not [w for w in ckpt.warnings if "metrics record" in w]
+    ckpt.close()
+    assert read_series(url).steps("loss") == [1, 2, 3, 4]
+
+
 def test_close_raises_naming_the_object_when_the_store_refuses(url, monkeypatch):
     """At close() a record that cannot be uploaded is an error naming the object (a
     save's upload failure is only a warning: its checkpoint is committed)."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import Problem
+from unbroken.errors import CheckpointError
 from unbroken.format.series import read_series
 from unbroken.run import health_check, metrics
 
@@ -244,3 +245,35 @@ def test_health_check_flags_the_recorded_reset_optimizer_example(name):
     k, loss, gn = run["resumed_at"], run["loss"], run["grad_norm"]
     (warning,) = health_check.diagnose(loss[:k], loss[k:], gn[:k], gn[k:])
     assert warning.startswith("lost optimizer state suspected")
+
+
+def test_track_before_restore_on_a_folder_with_checkpoints_is_refused(ckpt_dir):
+    """Issue 36, item 8: track() before restore() on a folder holding checkpoints started
+    the trackers under an invented run id and wrote a fresh-start segment into the run's
+    metrics record. It is refused, saying what to do, and nothing is written; after
+    restore() the same call is recorded in the resumed run's segment."""
+    _run(ckpt_dir, 3, save_at={3}, close=True)
+    before = (ckpt_dir / "metrics.jsonl").read_bytes()
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir)
+    with pytest.raises(CheckpointError, match=r"track\(4\) before restore\(\).*Call restore"):
+        ckpt.track(4, loss=1.0)
+    assert (ckpt_dir / "metrics.jsonl").read_bytes() == before
+    assert ckpt.restore().step == 3
+    ckpt.track(4, loss=1.0)
+    ckpt.close()
+    series = read_series(ckpt_dir)
+    assert series.steps("loss") == [1, 2, 3, 4] and series.resumes == [3]
+
+
+def test_track_before_restore_is_allowed_on_an_empty_folder_and_with_overwrite(ckpt_dir):
+    """A fresh folder has no run to resume: tracking first is a fresh start; overwrite=True
+    says the checkpoints there belong to a run this one replaces."""
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir)
+    ckpt.track(1, loss=1.0)
+    ckpt.save(1)
+    ckpt.close()
+    again = Problem().checkpointer(ckpt_dir, overwrite=True)
+    again.track(1, loss=2.0)
+    again.close()

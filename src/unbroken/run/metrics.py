@@ -203,8 +203,9 @@ class MetricLog:
                 logger.warning("%s", exc)
             self._failing = True
 
-    def flush(self, *, strict: bool = True) -> None:
-        """Write what waits, then make the record durable (fsync; rank 0 only).
+    def flush(self, *, strict: bool = True) -> str | None:
+        """Write what waits, then make the record durable (fsync; rank 0 only). Returns
+        what failed (not strict), else None.
 
         Args:
             strict: raise if that fails. ``save()`` passes False: its checkpoint is
@@ -215,24 +216,28 @@ class MetricLog:
             CheckpointError: (strict) naming the record (on a disk, the free space).
         """
         if self._journal is None:
-            return
+            return None
         if self._gate is not None and self._gate.lost is not None:
             with self._lock:
                 self._revoke()
         with self._lock:
             if not self._header_queued:
-                return  # nothing tracked: no record
+                return None  # nothing tracked: no record
         try:
             self._write_queued(can_list=True)
             self._journal.sync()
         except CheckpointError as exc:
             if strict:
                 raise
-            logger.warning(
-                "%s (the checkpoint itself is committed; the tracked steps not written "
-                "stay queued for the next write)",
-                exc,
+            with self._lock:
+                waiting = _step_count(self._queued)
+            note = (
+                f"{waiting} tracked step(s) are not in the metrics record yet ({exc}); the "
+                "checkpoint itself is committed, and they stay queued for the next write"
             )
+            logger.warning("%s", note)
+            return note
+        return None
 
     def drop_held(self) -> None:
         """At the end (``close()``): lines still waiting for the gate are dropped, with

@@ -172,11 +172,12 @@ class RunRecord:
         self._share_replay()
         return self._replay.verdict.record()
 
-    def after_commit(self) -> None:
+    def after_commit(self) -> str | None:
         """A save committed: write and fsync (or upload) the record. A failure is a logged
-        warning, not an error: the checkpoint is committed, and a save that raised must
-        have committed nothing. Collective (on a background save's group in its thread)."""
-        self._flush(strict=False)
+        warning, returned (on rank 0), not an error: the checkpoint is committed, and a
+        save that raised must have committed nothing. Collective (on a background save's
+        group in its thread)."""
+        return self._flush(strict=False)
 
     def finish(self) -> None:
         """The end of the run's segment: decide a pending replay verdict, share it with
@@ -198,8 +199,8 @@ class RunRecord:
             self._health.close()
         self._log.close()
 
-    def _flush(self, *, strict: bool) -> None:
-        collective.agree(lambda: self._log.flush(strict=strict), only_rank0=True)
+    def _flush(self, *, strict: bool) -> str | None:
+        return collective.agree(lambda: self._log.flush(strict=strict), only_rank0=True)
 
     def _start_replay(
         self, from_step: int, saved_by: str | None, world_size: int, reset: list[str]

@@ -27,6 +27,7 @@ import torch
 
 from ..core import collective
 from ..core.resuming import Resumed
+from ..errors import CheckpointError
 from ..format.folder_check import check_folder
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component
@@ -131,6 +132,7 @@ class Run:
         self._fork: int | None = -1 if overwrite else None
         self._save_warnings: list[str] = []  # the last committed save's
         self._logged: set[str] = set()  # each save warning is logged once
+        self._tracking = False  # whether track() was allowed once
 
     @property
     def run_id(self) -> str:
@@ -207,7 +209,9 @@ class Run:
                     self._logged.add(warning)
                     logger.warning("step %d: %s", step, warning)
         self._apply_retention(step)
-        self.record.after_commit()  # committed: a failure is a warning
+        unrecorded = self.record.after_commit()  # committed: a failure is a warning
+        if unrecorded is not None:
+            self._save_warnings = [*warnings, unrecorded]
 
     def _apply_retention(self, newest: int) -> None:
         """Unlist (then delete in the background) all but the ``keep_last`` newest
@@ -229,9 +233,26 @@ class Run:
     # -- the training loop -------------------------------------------------------------
 
     def track(self, step: int, metrics: dict[str, float | torch.Tensor]) -> None:
-        """Record one step's metrics; rank 0 forwards them to the trackers."""
+        """Record one step's metrics; rank 0 forwards them to the trackers. Refused
+        (``CheckpointError``) before ``restore()`` on a folder holding checkpoints."""
+        if not self._tracking:
+            self._refuse_tracking_before_restore(step)
+            self._tracking = True
         self.record.track(step, metrics)
         self._trackers.log(step, metrics, run_id=self._lineage.events[0]["run"])
+
+    def _refuse_tracking_before_restore(self, step: int) -> None:
+        if self._lineage.run_id is not None or self._fork == -1:  # restored, saved, overwrite
+            return
+        steps = self.folder.steps()
+        if steps:
+            raise CheckpointError(
+                f"track({step}) before restore(): {self.folder.root} holds checkpoints "
+                f"(steps {steps[0]}..{steps[-1]}), and tracking now would start a second "
+                "run beside them (a new run id for the trackers, a fresh segment in the "
+                "metrics record). Call restore() first, which resumes the newest of them, "
+                "or pass overwrite=True to start a new run in this folder"
+            )
 
     @property
     def replay(self) -> ReplayVerdict | None:
