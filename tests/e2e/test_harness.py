@@ -100,6 +100,61 @@ def test_resume_on_another_world_size_reports_the_deviation(tmp_path):
     assert not strict.passed and strict.first_difference.startswith("step 16,")
 
 
+@pytest.mark.parametrize("bug", ["", "optimizer"], ids=["exact", "rebuilt optimizer"])
+def test_another_resume_command_on_the_same_layout_must_be_bit_identical(tmp_path, bug):
+    """Issue 36, item 5: --resume-cmd applied the cross-layout tolerance whatever the
+    layout, so a wrong resume (the optimizer rebuilt after restore: every moment lost)
+    read CLOSE, exit 0. A resume command on the same layout (one process both times) is
+    held to bit-identity: a correct one is IDENTICAL, the wrong one DIFFERENT, whatever
+    the tolerance; the note says why."""
+    resume = ["env", f"TINY_BUG={bug}", sys.executable, SCRIPT, "{dir}", "--steps", "30"]
+    result = resume_test(
+        [sys.executable, SCRIPT, "{dir}", "--steps", "30"],
+        stop_at=15,
+        workdir=tmp_path,
+        resume_command=resume,
+        tolerance=5.0,
+        plot=False,
+        parallel=True,
+    )
+    assert result.exact, str(result)
+    assert "same layout: bit-identity required" in str(result)
+    if bug:
+        assert not result.passed and result.verdict == "DIFFERENT", str(result)
+    else:
+        assert result.passed and result.verdict == "IDENTICAL", str(result)
+
+
+def _cut_in_two(doc: dict) -> None:
+    """model/0.weight (32 x 8) recorded as two chunks of 16 rows, the bytes where they were."""
+    entry = doc["tensors"]["model/0.weight"]
+    [whole] = entry["chunks"]
+    half = whole["length"] // 2
+    top = dict(whole, sizes=[16, 8], length=half)
+    bottom = dict(whole, offsets=[16, 0], sizes=[16, 8], offset=whole["offset"] + half, length=half)
+    entry["chunks"] = [top, bottom]
+
+
+def test_a_non_tensor_difference_fails_even_across_layouts(tmp_path):
+    """Issue 36, item 5: across layouts only tensor values may differ. The same two runs
+    compared as if resumed on another layout pass on their values, and fail as soon as
+    a non-tensor value of the final state differs (a scheduler's last_epoch)."""
+    import tamper
+
+    result = resume_test(COMMAND, stop_at=15, workdir=tmp_path, plot=False, parallel=True)
+    assert result.passed
+    final = tmp_path / "resumed" / "step_00000040"
+    tamper.edit(final, _cut_in_two)  # as if saved on a layout cutting it in two chunks
+    runs = (tmp_path / "straight", tmp_path / "resumed")
+    close = compare(*runs, stop_at=15, exact=False, tolerance=5.0)
+    assert close.passed and close.verdict == "CLOSE", str(close)
+    assert "another layout (model/0.weight is cut into other chunks)" in str(close)
+    tamper.edit(final, lambda doc: doc["components"]["scheduler"]["state"].update(last_epoch=99))
+    wrong = compare(*runs, stop_at=15, exact=False, tolerance=5.0)
+    assert not wrong.passed and wrong.verdict == "DIFFERENT", str(wrong)
+    assert any("last_epoch" in d for d in wrong.state_differences), str(wrong)
+
+
 def test_failed_plot_shows_the_difference_and_the_first_differing_step(tmp_path):
     """The resume test's plot has a panel of resumed minus straight (symlog) with the
     first differing step marked, so a FAILED title shows its cause."""

@@ -40,6 +40,13 @@ class StateComparison:
     differences: dict[str, list[str]]  # component -> its differences; only those differing
     compared_tensors: int  # tensor references compared (left-out components aside)
     left_out: list[str]  # per-rank components not comparable across world sizes
+    values_only: int = 0  # differences that are tensors' values alone (their fingerprints)
+
+    @property
+    def beyond_values(self) -> bool:
+        """Whether something other than tensor values differs: a non-tensor value, a
+        structure, a tensor's dtype or shape (never expected of another layout)."""
+        return sum(map(len, self.differences.values())) > self.values_only
 
     @property
     def lines(self) -> list[str]:
@@ -99,7 +106,8 @@ def compare_state(
         found = skeleton_differences(sa, sb, name, tables=tables, names=names)
         if found:
             out[name] = found
-    return StateComparison(out, count, left_out)
+    values = sum(1 for lines in out.values() for line in lines if _VALUES_ONLY in line)
+    return StateComparison(out, count, left_out, values)
 
 
 def skeleton_differences(
@@ -174,8 +182,12 @@ def _tensor_difference(key_a: str, key_b: str, tables: Tables) -> str | None:
     for field in ("dtype", "shape", "fingerprint"):
         # Strings and lists of ints: equality is the bits' equality.
         if ea.get(field) != eb.get(field):
-            return f"differs ({field} {ea.get(field)} vs {eb.get(field)})"
+            what = _VALUES_ONLY if field == "fingerprint" else f"differs ({field}"
+            return f"{what} {ea.get(field)} vs {eb.get(field)})"
     return None
+
+
+_VALUES_ONLY = "differs (fingerprint"  # how a difference of a tensor's values alone reads
 
 
 def _as_float(x: Any) -> float | None:
