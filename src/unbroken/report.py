@@ -42,6 +42,19 @@ class RestoreReport:
     searched: str | None = None
     found: str | None = None
 
+    @property
+    def headline(self) -> str:
+        """One line that tells a resume from a fresh start (what framework integrations
+        log): ``resumed from step 120, verified bit for bit, from PATH``."""
+        if not self.restored:
+            where = f" in {self.searched}" if self.searched else ""
+            return f"started fresh: no checkpoint restored{where}"
+        check = "verified bit for bit" if self.verified else "NOT verified"
+        again = (
+            f", resharded {self.saved_world_size} -> {self.world_size}" if self.resharded else ""
+        )
+        return f"resumed from step {self.step}, {check}{again}, from {self.path}"
+
     def __str__(self) -> str:
         if not self.restored:
             lines = [f"fresh start (no checkpoint restored), world size {self.world_size}"]

@@ -131,8 +131,22 @@ def test_trainer_loop_state_after_restore_equals_straight(runs, tmp_path):
     """Loop state and data position (the bug class of a resume that restarts the epoch,
     or counts steps and epochs from zero): from the first batch after the restore, the
     resumed Trainer's global_step, epoch, batch index, whole fit-loop progress, learning
-    rate, the batch itself and the loss equal the straight run's, across an epoch end."""
-    straight, resumed = _resume_copy(runs, tmp_path)
+    rate, the batch itself and the loss equal the straight run's, across an epoch end.
+    Lightning's own log says that it resumed, from where (issue 36, item 11)."""
+    said: list[str] = []
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    rank_zero.addHandler(handler)
+    level = rank_zero.level
+    rank_zero.setLevel(logging.INFO)  # _fit quiets lightning.pytorch below errors
+    try:
+        straight, resumed = _resume_copy(runs, tmp_path)
+    finally:
+        rank_zero.removeHandler(handler)
+        rank_zero.setLevel(level)
+    line = f"unbroken: resumed from step {STOP_AT}, verified bit for bit, from "
+    assert any(s.startswith(line) for s in said), said
     assert resumed[STOP_AT + 1]["global_step"] == STOP_AT
     assert resumed[STOP_AT + 1]["batch_idx"] == STOP_AT  # mid-epoch: not batch 0
     assert _differences(straight, resumed) == []

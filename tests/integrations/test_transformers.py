@@ -96,13 +96,17 @@ def progress(state) -> dict:
     [(20, {}), (32, {}), (20, {"gradient_accumulation_steps": 2})],
     ids=["mid-epoch-0", "epoch-boundary", "grad-accumulation-mid-epoch-1"],
 )
-def test_state_and_data_position_match_the_straight_run(runs, tmp_path, stop_at, overrides):
+def test_state_and_data_position_match_the_straight_run(runs, tmp_path, stop_at, overrides, caplog):
     """Bug classes F3 (a component silently fresh) and lost RNG/data position: after the
     resume, the batches drawn, every logged loss/grad norm/LR (bit for bit), global_step,
-    epoch and the log history are the straight run's, and the final checkpoints agree."""
-    folder, straight, seen_a, resumed_dir, resumed, seen_b = straight_and_resumed(
-        runs, tmp_path, stop_at, **overrides
-    )
+    epoch and the log history are the straight run's, and the final checkpoints agree.
+    The log says that it resumed, from where, at the Trainer's default verbosity (issue
+    36, item 11)."""
+    with caplog.at_level("WARNING", logger="unbroken"):
+        folder, straight, seen_a, resumed_dir, resumed, seen_b = straight_and_resumed(
+            runs, tmp_path, stop_at, **overrides
+        )
+    assert f"unbroken: resumed from step {stop_at}, verified bit for bit, from " in caplog.text
     per_step = overrides.get("gradient_accumulation_steps", 1)
     after = seen_a[stop_at * per_step :]
     assert len(seen_b) == len(after)

@@ -42,6 +42,7 @@ import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, StateMismatchError
@@ -176,6 +177,7 @@ class UnbrokenCallback(pl.Callback):
             self._restore_step, reset=self._reset, require=self._require
         )
         self._start(self.report.step)
+        rank_zero_info(f"unbroken: {self.report.headline}")
         if not self.report.restored:
             return
         fit.resume_loops()

@@ -137,6 +137,8 @@ class UnbrokenCallback(TrainerCallback):
         self.report = self.checkpointer.restore(
             point.step if point is not None else None, reset=self._reset, require=self._require
         )
+        if state.is_world_process_zero:  # visible at the Trainer's default verbosity
+            logger.warning("unbroken: %s", self.report.headline)
         if point is None and self.report.restored:
             raise CheckpointError(
                 f"a checkpoint of step {self.report.step} appeared in {self.path} after "
