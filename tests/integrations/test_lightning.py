@@ -175,6 +175,34 @@ def test_a_wrong_resume_is_caught(runs, tmp_path, monkeypatch, bug, first):
     assert found and found[0].startswith(first), found[:5]
 
 
+class InitInOnTrainStart(example.Regressor):
+    """Lightning's ModelParallelStrategy example: ``init_weights()`` in the module's
+    ``on_train_start``, which Lightning runs after the callbacks' (where the restore is)."""
+
+    def on_train_start(self):
+        for p in self.parameters():
+            torch.nn.init.normal_(p)
+
+
+def test_an_init_in_on_train_start_fails_the_first_step(runs, tmp_path):
+    """Issue 36, item 2: training went on from fresh weights with the restored optimizer,
+    step and data position, and nothing said so. The first optimizer step now raises,
+    naming the parameters and Lightning's on_train_start."""
+    _, stopped = runs
+    folder = tmp_path / "resumed"
+    shutil.copytree(stopped, folder)
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mp.delenv("UNBROKEN_STOP_AT", raising=False)
+        logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+        example.seed()
+        trainer = example.make_trainer(str(folder), steps=STEPS)
+        with pytest.raises(ub.StateMismatchError, match="on_train_start") as info:
+            trainer.fit(InitInOnTrainStart())
+    assert "after restore() and before the first optimizer step" in str(info.value)
+    assert trainer.global_step == STOP_AT  # no step was taken from the fresh weights
+
+
 class PlainLoader(example.Regressor):
     def train_dataloader(self):
         return torch.utils.data.DataLoader(super().train_dataloader().dataset, batch_size=16)

@@ -92,9 +92,20 @@ class Loaded:
     recut: bool = False  # a tensor cut otherwise than at save, on some rank
 
 
+@dataclasses.dataclass
+class Restored:
+    """What :func:`restore` did: its report, and this rank's fingerprint share of each
+    value it installed (key -> share, None where it holds none; ``algorithm``'s), which
+    the run's first-step check compares with the live values later."""
+
+    report: RestoreReport
+    installed: dict[str, int | None]
+    algorithm: str
+
+
 def restore(
     folder: Location, doc: dict[str, Any], components: list[Component], request: RestoreRequest
-) -> RestoreReport:
+) -> Restored:
     """Load ``doc``'s checkpoint (in ``folder``) into the live components; collective.
 
     Raises:
@@ -118,7 +129,7 @@ def restore(
         logger.info(
             "restored step %d from %s in %.2fs", doc["step"], folder, time.perf_counter() - started
         )
-    return RestoreReport(
+    report = RestoreReport(
         step=doc["step"],
         restored=True,
         path=str(folder),
@@ -129,6 +140,7 @@ def restore(
         resharded=resharded,
         warnings=plan.warnings,
     )
+    return Restored(report, loaded.fingerprints.partials, loaded.fingerprints.algorithm)
 
 
 _RESHARDED = (

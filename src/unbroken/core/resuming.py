@@ -46,6 +46,8 @@ class Resumed:
     report: RestoreReport
     doc: dict[str, Any] | None = None
     step: int | None = None
+    installed: dict[str, int | None] | None = None  # restoring.Restored's, when loaded
+    algorithm: str | None = None
 
 
 def require_from_env(require: bool | None) -> bool:
@@ -121,7 +123,8 @@ def resume(
             if garbage:
                 raise CorruptCheckpointError(garbage)
             doc, notes = read_manifest(folder)
-            report = restoring.restore(folder, doc, components, request)
+            restored = restoring.restore(folder, doc, components, request)
+            report = restored.report
         except CorruptCheckpointError as exc:
             if candidates.relisted(garbage=bool(garbage)):  # pruned or re-saved meanwhile
                 continue
@@ -141,7 +144,8 @@ def resume(
             f"the checkpoint of step {chosen} was saved with a warning: {w}"
             for w in doc.get("save_warnings") or []
         )
-        return Resumed(dataclasses.replace(report, searched=str(ckdir.root)), doc, chosen)
+        report = dataclasses.replace(report, searched=str(ckdir.root))
+        return Resumed(report, doc, chosen, restored.installed, restored.algorithm)
     raise AssertionError("unreachable")
 
 

@@ -32,6 +32,7 @@ from ..format.folder_check import check_folder
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component
 from ..storage.interface import CheckpointDir
+from .first_step import FirstStepCheck
 from .idle_optimizers import IdleOptimizers
 from .lineage import Lineage, abandoned_steps, saved_by, unknown_run_id
 from .ownership import FolderClaim, other_writer
@@ -133,6 +134,7 @@ class Run:
         self._save_warnings: list[str] = []  # the last committed save's
         self._logged: set[str] = set()  # each save warning is logged once
         self._tracking = False  # whether track() was allowed once
+        self._first_step: FirstStepCheck | None = None  # armed by a restore
 
     @property
     def run_id(self) -> str:
@@ -170,6 +172,10 @@ class Run:
         )
         self._fork = step  # newer committed steps are retired by the first save
         self._trackers.start(self.run_id, step, self.folder.root)
+        if self._first_step is not None:
+            self._first_step.close()
+        if done.installed is not None and done.algorithm is not None:
+            self._first_step = FirstStepCheck(self._components, done.installed, done.algorithm)
 
     def _restored_optimizers(self, states: Mapping[str, str]) -> dict[str | None, Any]:
         """name -> optimizer that the restore restored: the health check watches them."""
@@ -277,4 +283,6 @@ class Run:
         self.record.close()
         self.claim.release()
         self.idle.close()
+        if self._first_step is not None:
+            self._first_step.close()
         self.folder.finish_removals()
