@@ -251,3 +251,23 @@ def test_symlinked_shard_is_refused(ckpt_dir, tmp_path):
     shard.symlink_to(outside)
     with pytest.raises(ub.CorruptCheckpointError, match="symbolic link"):
         Problem().checkpointer(ckpt_dir).restore(step=2)
+
+
+def test_a_manifest_listing_an_unreferenced_tensor_is_never_sealed(ckpt_dir):
+    """Issue 36, item 14's rule: no checkpoint is committed that our own read-back would
+    call damaged. A document whose components do not reference a tensor it lists (as the
+    pipeline-stage merge once dropped an optimizer only the last stage had, after its
+    tensors were written) is refused when the manifest is encoded, before the commit,
+    naming the tensor."""
+    from unbroken.format import manifest
+
+    p = Problem()
+    p.step()  # AdamW moments: tensors the optimizer's state references
+    p.checkpointer(ckpt_dir).save(1)
+    body = tamper.read(ckpt_dir / "step_00000001")
+    for key in ("format", "format_version", "manifest_checksum"):
+        body.pop(key, None)
+    manifest.encode(ckpt_dir / "step_00000001", body)  # as saved: sealed
+    body["components"]["optimizer"]["state"]["state"] = {}
+    with pytest.raises(ub.CheckpointError, match=r"no component's state references \(optimizer/"):
+        manifest.encode(ckpt_dir / "step_00000001", body)

@@ -174,10 +174,19 @@ def encode(directory: Location | str | os.PathLike, body: dict[str, Any]) -> byt
 
     Raises:
         CheckpointError: the manifest is larger than :func:`read` accepts beside the
-            shard files written with it (too much state that is not tensors): a
-            checkpoint no restore could read is never committed.
+            shard files written with it (too much state that is not tensors), or it
+            lists a tensor no component references: a checkpoint no restore could read
+            is never committed.
     """
     directory = location(directory)
+    lost = schema.unreferenced(body)
+    if lost:  # a restore would call the checkpoint damaged: never commit it
+        raise CheckpointError(
+            f"{directory}: the save would list {len(lost)} tensor(s) that no component's "
+            f"state references ({', '.join(lost[:5])}): the ranks' state did not merge into "
+            "one manifest. Nothing was committed; please report this with how each rank "
+            "builds its model and optimizers"
+        )
     doc = dict(body, format=FORMAT, format_version=FORMAT_VERSION)
     doc["manifest_checksum"] = _digest(doc)
     path = directory / MANIFEST

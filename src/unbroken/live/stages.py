@@ -29,9 +29,16 @@ def merge(component: Component, skeletons: list[Any]) -> Any:
     if isinstance(component, OptimizerComponent):
         if None in component.optimizers:
             return _merge_optimizer(skeletons, "optimizer")
+        if not all(_plain(s) for s in skeletons):
+            return skeletons[0]
+        # Stages may key theirs differently (torchtitan: one optimizer per model part,
+        # "stage0" on one rank, "stage1" on another): every rank's names, in rank order.
+        names = dict.fromkeys(name for s in skeletons for name in s)
         return {
-            name: _merge_optimizer([s[name] for s in skeletons], f"optimizer[{name!r}]")
-            for name in skeletons[0]
+            name: _merge_optimizer(
+                [s[name] for s in skeletons if name in s], f"optimizer[{name!r}]"
+            )
+            for name in names
         }
     return _merge_mappings(skeletons, component.name)
 
@@ -100,11 +107,13 @@ def held(component: Component, skeleton: Any, live_skeleton: Any) -> tuple[Any, 
             return _held_optimizer(skeleton, component.live_fqns(None), "")
         if not _plain(skeleton):
             return skeleton, []
-        out, missing = dict(skeleton), []
-        for name in component.optimizers:
-            if name in skeleton:
-                out[name], lost = _held_optimizer(skeleton[name], component.live_fqns(name), "")
-                missing += [f"[{name!r}] {fqn}" for fqn in lost]
+        out, missing = {}, []
+        for name, saved in skeleton.items():
+            if name in component.optimizers:
+                out[name], lost = _held_optimizer(saved, component.live_fqns(name), "")
+            else:  # another stage's optimizer: held there, or by no rank (refused)
+                lost = sorted(_optimizer_names(saved))
+            missing += [f"[{name!r}] {fqn}" for fqn in lost]
         return out, missing
     if isinstance(component, ModelComponent):
         if None in component.models:
@@ -127,13 +136,21 @@ def _held_mapping(saved: Any, live: Any, prefix: str) -> tuple[Any, list[str]]:
     return kept, [prefix + k for k in saved if k not in live]
 
 
+def _optimizer_names(saved: Any) -> set[str]:
+    """The parameter FQNs a saved optimizer skeleton names (its state and its groups)."""
+    if not (
+        _plain(saved) and _plain(saved.get("state")) and isinstance(saved.get("param_groups"), list)
+    ):
+        return set()
+    return set(saved["state"]) | {p for g in saved["param_groups"] for p in g.get("params", [])}
+
+
 def _held_optimizer(saved: Any, fqns: set[str], prefix: str) -> tuple[Any, list[str]]:
     if not (
         _plain(saved) and _plain(saved.get("state")) and isinstance(saved.get("param_groups"), list)
     ):
         return saved, []
-    named = set(saved["state"]) | {p for g in saved["param_groups"] for p in g.get("params", [])}
-    missing = sorted(named - fqns)
+    missing = sorted(_optimizer_names(saved) - fqns)
     if not missing:
         return saved, []
     state = {k: v for k, v in saved["state"].items() if k in fqns}
