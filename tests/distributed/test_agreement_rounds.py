@@ -199,17 +199,21 @@ def _fsdp1_install_missed_on_rank1(rank: int, world: int, path: str) -> dict:
     try:
         ub.Checkpointer(path, model=fresh, optimizer=fresh_opt).restore()
         return {"outcome": "restored"}
-    except ub.StateMismatchError as exc:
+    except ub.CheckpointError as exc:
         return {"outcome": str(exc)}
 
 
 def test_fsdp1_a_check_failed_on_one_rank_still_lets_every_rank_run_the_next(tmp_path):
     """F5 on one FSDP1 rank: its model check fails, and it still captures its optimizer's
     state for that check, which FSDP1 does collectively; a rank that skipped it would
-    leave the other waiting. Every rank refuses, naming the model."""
+    leave the other waiting. Every rank refuses, naming the model. Rank 1's rollback goes
+    through the same spoiling install, so it says its model could not be put back as it
+    was (issue 36, item 4), never that nothing was changed."""
     got = launcher.run(_fsdp1_install_missed_on_rank1, 2, str(tmp_path / "c"), timeout=120)
     for r in got:
         assert "'model' failed verification" in r["outcome"], r
+    assert "could not be put back as it was" in got[1]["outcome"], got[1]
+    assert "nothing was changed" not in got[1]["outcome"], got[1]
 
 
 def _save_fsdp2(rank: int, world: int, path: str) -> None:

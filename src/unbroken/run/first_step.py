@@ -59,6 +59,7 @@ class FirstStepCheck:
         self._installed = dict(installed)
         self._algorithm = algorithm
         self._hooks: list[RemovableHandle] = []
+        self.done = False  # checked (or closed): the hooks do nothing any more
         ref = weakref.ref(self)
 
         def before_step(optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -76,10 +77,12 @@ class FirstStepCheck:
                             self._hooks.append(register(before_step))
 
     def before_first_step(self) -> None:
-        """Disarm, then compare; raise ``StateMismatchError`` naming what changed."""
-        if not self._hooks:
+        """Disarm, then compare; raise ``StateMismatchError`` naming what changed. The
+        hooks stay registered, doing nothing, until :meth:`close`: torch iterates them
+        while this runs, and removing one then breaks its iteration."""
+        if self.done:
             return
-        self.close()
+        self.done = True
         changed = self.changed()
         if changed:
             shown = ", ".join(changed[:_SHOWN])
@@ -108,7 +111,9 @@ class FirstStepCheck:
         return out
 
     def close(self) -> None:
-        """Disarm (safe to call more than once)."""
+        """Disarm and remove the hooks (never from within an optimizer step; safe to call
+        more than once)."""
+        self.done = True
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

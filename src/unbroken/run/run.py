@@ -192,6 +192,9 @@ class Run:
         """* A save of ``step`` begins: the run's id decided if no restore did, the
         abandoned steps of a branch listed, the replay verdict so far recorded, all in
         the lineage the save writes."""
+        if self._first_step is not None and self._first_step.done:
+            self._first_step.close()  # checked: its hooks go (outside any optimizer step)
+            self._first_step = None
         if self._lineage.run_id is None:  # no restore(): this save decides the run's id
             self._lineage = self._lineage.agree()
         retire: list[int] = []
