@@ -170,12 +170,10 @@ def test_transient_errors_are_retried(server, s3, fault, monkeypatch):
     assert proxy.injected == 3
 
 
-def test_a_commit_whose_answer_is_lost_is_kept(server, s3, monkeypatch):
-    """Issue 36, item 17: the create-only PUT of the manifest reaches the store and its
-    answer is lost; the retry is refused as "exists". That manifest is this save's own:
-    the save succeeds, nothing it references is deleted, and the step verifies and
-    restores. (Before: "another save committed step 2", its own shards removed under its
-    own committed manifest, a restore falling back past it.)"""
+def _save_2_losing_the_commit_answer(server, s3, monkeypatch, refused: str | None = None) -> Big:
+    """Save step 1, then step 2 through a proxy that forwards the create-only PUT of its
+    manifest and loses the answer (the retry is refused as "exists"); ``refused``: the
+    error that save must raise. Returns the trained state."""
     lost = {"manifest": 1}
 
     def rule(method: str, path: str) -> str | None:
@@ -194,15 +192,32 @@ def test_a_commit_whose_answer_is_lost_is_kept(server, s3, monkeypatch):
             ckpt = a.checkpointer(s3)
             ckpt.restore()
             a.step()
-            ckpt.save(2)
+            if refused is None:
+                ckpt.save(2)
+            else:
+                with pytest.raises(ub.CheckpointError, match=refused):
+                    ckpt.save(2)
     finally:
         proxy.stop()
     assert proxy.injected == 1
+    return a
+
+
+def _assert_step_2_whole(s3, a: Big) -> None:
     assert checkpoint_dir(s3).steps() == [1, 2]
     assert ub.verify_checkpoint(f"{s3}/step_00000002").ok
     b = Big(1)
     report = b.checkpointer(s3).restore()
     assert report.step == 2 and report.verified and b.same(a)
+
+
+def test_a_commit_whose_answer_is_lost_is_kept(server, s3, monkeypatch):
+    """Issue 36, item 17: the create-only PUT of the manifest reaches the store and its
+    answer is lost; the retry is refused as "exists". That manifest is this save's own:
+    the save succeeds, nothing it references is deleted, and the step verifies and
+    restores. (Before: "another save committed step 2", its own shards removed under its
+    own committed manifest, a restore falling back past it.)"""
+    _assert_step_2_whole(s3, _save_2_losing_the_commit_answer(server, s3, monkeypatch))
 
 
 def test_a_commit_that_cannot_be_read_back_deletes_nothing_it_lists(server, s3, monkeypatch):
@@ -213,14 +228,6 @@ def test_a_commit_that_cannot_be_read_back_deletes_nothing_it_lists(server, s3, 
     from unbroken.storage import store as remote
     from unbroken.storage import store_medium
 
-    lost = {"manifest": 1}
-
-    def rule(method: str, path: str) -> str | None:
-        if method == "PUT" and "step_00000002/manifest.json" in path and lost["manifest"]:
-            lost["manifest"] -= 1
-            return "lose"
-        return None
-
     real = remote.Store.read
     blind = {"on": True}
 
@@ -229,28 +236,11 @@ def test_a_commit_that_cannot_be_read_back_deletes_nothing_it_lists(server, s3, 
             raise FileNotFoundError(key)
         return real(self, key)
 
-    a = Big(0)
-    a.step()
-    a.checkpointer(s3).save(1)
-    proxy = FaultProxy(server.port, rule)
-    monkeypatch.setenv("UNBROKEN_STORE_RETRIES", "5")
     monkeypatch.setattr(remote.Store, "read", read)
     monkeypatch.setattr(store_medium, "_READ_BACK_WAITS", (0.0, 0.0))
-    try:
-        with server.environment(proxy.endpoint):
-            ckpt = a.checkpointer(s3)
-            ckpt.restore()
-            a.step()
-            with pytest.raises(ub.CheckpointError, match="cannot be confirmed"):
-                ckpt.save(2)
-    finally:
-        proxy.stop()
-        blind["on"] = False
-    assert checkpoint_dir(s3).steps() == [1, 2]
-    assert ub.verify_checkpoint(f"{s3}/step_00000002").ok
-    b = Big(1)
-    report = b.checkpointer(s3).restore()
-    assert report.step == 2 and report.verified and b.same(a)
+    a = _save_2_losing_the_commit_answer(server, s3, monkeypatch, "cannot be confirmed")
+    blind["on"] = False
+    _assert_step_2_whole(s3, a)
 
 
 def test_persistent_errors_fail_naming_the_object(server, s3, monkeypatch):
