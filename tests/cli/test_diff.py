@@ -151,3 +151,19 @@ def test_diff_caps_listings_and_sorts_keys_naturally(tmp_path):
     assert listed.index("optimizer/state/9.bias/step") < listed.index(
         "optimizer/state/10.bias/step"
     )
+
+
+def test_two_negated_float64_weights_are_a_difference(tmp_path):
+    """Issue 36 item 1: with the linear ``wsum64-v2`` fingerprint, two negated float64
+    weights cancelled and ``unbroken diff`` (which compares fingerprints) said identical,
+    exit 0. Every structured change is a difference now."""
+    a, b = nn.Linear(4, 4).double(), nn.Linear(4, 4).double()
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        b.weight[0, 1] *= -1
+        b.weight[3, 2] *= -1
+    ub.Checkpointer(tmp_path / "a", model=a).save(1)
+    ub.Checkpointer(tmp_path / "b", model=b).save(1)
+    info = run_json("diff", tmp_path / "a", tmp_path / "b", "--ignore", "rng", code=1)
+    rows = {t["key"]: t for t in info["tensors"]}
+    assert info["identical"] is False and rows["model/weight"]["status"] == "values"

@@ -152,7 +152,7 @@ def test_non_contiguous(dtype):
     # one element seen through a stride: NumPy's path cannot view it, compare its copy
     one = _random((4,), dtype)[1::3][:1]
     assert dfp.partial_on_device(one, (5,), [2]) == fp.partial(
-        one.clone(memory_format=torch.contiguous_format), (5,), [2]
+        one.clone(memory_format=torch.contiguous_format), (5,), [2], fp.V2
     )
 
 
@@ -225,7 +225,7 @@ def test_gpu_large_tensor_one_host_sync():
     assert len(syncs) == 1, [str(w.message) for w in syncs]
 
 
-@pytest.mark.parametrize("algorithm", [fp.V1, fp.V2])
+@pytest.mark.parametrize("algorithm", fp.ALGORITHMS)
 def test_one_element_seen_through_a_stride_is_fingerprinted_and_saved_as_its_value(algorithm):
     """``x[::2]`` of two elements is "contiguous" for torch yet cannot be viewed as bytes:
     the host paths used to crash on it (a save of such a tensor failed)."""

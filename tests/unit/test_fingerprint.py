@@ -1,5 +1,5 @@
-"""Fingerprints do not depend on sharding, and any changed element changes them, in both
-formats (``wsum64-v1``, still verified; ``wsum64-v2``, written now)."""
+"""Fingerprints do not depend on sharding, and any changed element changes them, in every
+format (``wsum64-v1`` and ``wsum64-v2``, still verified; ``mix64-v3``, written now)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def _sample(dtype, shape=(37, 113)):
 GOLDEN = {  # computed once each; never update them
     "wsum64-v1": "42a62067d1a00000",
     "wsum64-v2": "3d55d9ff3b200000",
+    "mix64-v3": "6bc2d4e9c5c92bbc",
 }
 ALGORITHMS = pytest.mark.parametrize("algorithm", fp.ALGORITHMS)
 
@@ -81,10 +82,10 @@ def test_order_matters(algorithm):
     assert fp.fingerprint(t, algorithm) != fp.fingerprint(t.flip(0), algorithm)
 
 
-def test_the_formats_differ_and_v2_is_written():
+def test_the_formats_differ_and_v3_is_written():
     t = torch.arange(12, dtype=torch.float32)
-    assert fp.ALGORITHM == fp.V2
-    assert fp.fingerprint(t, fp.V1) != fp.fingerprint(t, fp.V2)
+    assert fp.ALGORITHM == fp.V3
+    assert len({fp.fingerprint(t, a) for a in fp.ALGORITHMS}) == len(fp.ALGORITHMS)
     with pytest.raises(ValueError, match="wsum64-v9"):
         fp.fingerprint(t, "wsum64-v9")
 

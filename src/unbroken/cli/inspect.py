@@ -145,6 +145,9 @@ def _print_detail(info: CheckpointInspection) -> None:
     console.print(
         f"  tracked metrics: {len(info.metrics)} step(s); probe: {escape(str(info.probe))}"
     )
+    console.print(f"  fingerprints: {escape(info.fingerprint_format)}")
+    if info.fingerprint_note:
+        console.print(f"  [yellow]note:[/yellow] {escape(info.fingerprint_note)}")
     table = Table(title="components")
     for col in ("component", "kind", "per rank", "tensors", "bytes"):
         table.add_column(col)

@@ -2,21 +2,28 @@
 
 A fingerprint must come out the same whether a tensor is whole on one process or split
 into shards across many, so that a checkpoint saved on 2 ranks can be verified after a
-restore on 3. We use a position-weighted sum over the tensor's raw words, modulo 2**64::
+restore on 3. Every format is a sum modulo 2**64 of one term per unit of the tensor, the
+term a function of the unit's value and its global (row-major) index: each shard adds up
+its own units and the partial sums add up to the whole tensor's digest. It is a check
+against silent loss, casting and structured corruption, not a cryptographic hash (files
+carry xxh3 checksums for integrity).
+
+The older formats weigh words linearly::
 
     fp(t) = sum_g  word(g) * T[g mod L] * U(g div L)      (mod 2**64)
 
-where ``g`` is the global (row-major) word index, ``T`` is a fixed table of odd 64-bit
-constants and ``U`` a 64-bit mix of the block number. Each shard adds up its own words
-with their global indices and the partial sums add up to the whole tensor's digest.
-Any change of a single element always changes the digest (the weights are odd); it is
-a check against silent loss and casting, not a cryptographic hash (files carry xxh3
-checksums for integrity).
+with ``T`` a fixed table of odd 64-bit constants and ``U`` a 64-bit mix of the block
+number: any change of a single element changes the digest, but changes can cancel.
 
-Two formats, persisted in manifests (``fingerprint_algorithm``), so neither's constants
+Three formats, persisted in manifests (``fingerprint_algorithm``), so none's constants
 may ever change:
 
-- ``wsum64-v2`` (what new checkpoints record): a word is 8 bytes of the tensor's
+- ``mix64-v3`` (what new checkpoints record, ``format/mix64.py``): each element mixed by
+  a 64-bit finalizer with its global index, then summed. The two below are linear
+  modulo 2**64 and so blind to structured changes: any even number of float64 sign
+  flips cancels (2**63 times an odd weight is 2**63). Still read and verified; ``unbroken
+  inspect`` and ``verify`` name them as weaker.
+- ``wsum64-v2``: a word is 8 bytes of the tensor's
   row-major byte stream, little-endian, whatever the dtype (the last one zero-padded).
   A shard whose bytes start or end inside a word adds that word's bytes it holds, in
   place: the parts of a word add up to the word. Half the multiplications of v1 for
@@ -39,9 +46,25 @@ if TYPE_CHECKING:
 
 # The names below are plain constants, and torch is imported only by the functions that
 # take a tensor: a manifest names its algorithm, and reading one needs no torch.
-V1, V2 = "wsum64-v1", "wsum64-v2"
-ALGORITHM = V2  # what new checkpoints record
-ALGORITHMS = (V1, V2)  # what this version recomputes
+V1, V2, V3 = "wsum64-v1", "wsum64-v2", "mix64-v3"
+ALGORITHM = V3  # what new checkpoints record
+ALGORITHMS = (V1, V2, V3)  # what this version recomputes
+# Formats whose sums cancel under structured changes (an even number of sign flips).
+WEAK = frozenset({V1, V2})
+
+
+def weakness(algorithm: str) -> str | None:
+    """What ``inspect`` and ``verify`` say of a checkpoint fingerprinted with an older,
+    weaker format (None for the current one)."""
+    if algorithm not in WEAK:
+        return None
+    return (
+        f"fingerprints use {algorithm}, an older format that cannot see some structured "
+        "changes (an even number of float64 sign flips cancels): restores of it are still "
+        f"checked, byte checksums included; a save with this unbroken records {ALGORITHM}"
+    )
+
+
 _MASK = (1 << 64) - 1
 _BLOCK = 4096  # L: words per weight block
 _SLAB_BLOCKS = 64  # blocks processed per vectorized step (2 MiB of int64)
@@ -185,12 +208,16 @@ def partial(
 ) -> int:
     """This shard's share of the digest of the global tensor (an int in [0, 2**64)).
 
-    A v2 partial of a tensor off the CPU is computed on its own device
-    (``device_fingerprint.partial_on_device``), the same int as here.
+    A v2 or v3 partial of a tensor off the CPU is computed on its own device, the same
+    int as on the host.
 
     Raises:
         ValueError: ``algorithm`` is not one of :data:`ALGORITHMS`.
     """
+    if algorithm == V3:
+        from . import mix64  # imports torch: not at this module's import
+
+        return mix64.partial(local, global_shape, offsets)
     if algorithm == V2 and local.device.type != "cpu":
         # The same digest with torch ops where the tensor lives: only the 8-byte sum
         # leaves the device (a pageable copy to the host runs at about 1.2 GB/s).

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError
 from ..format import manifest
+from ..format.fingerprint import weakness
 from ..storage.interface import Location, vanished
 from ..storage.locate import checkpoint_dir, location
 from ..storage.names import MANIFEST, RETIRED, folder_step
@@ -111,6 +112,8 @@ class CheckpointInspection(JsonResult):
     tensors: list[TensorInfo]  # every saved tensor, sorted by key
     optimizer: OptimizerCoverage | None  # the model's coverage by the optimizer state
     # (None without an optimizer); its ``failures`` make ``unbroken verify`` fail
+    fingerprint_format: str = ""  # e.g. ``mix64-v3``
+    fingerprint_note: str | None = None  # set for an older, weaker format
 
 
 def inspect_checkpoint(
@@ -189,6 +192,8 @@ def _inspect_one(path: str | os.PathLike, step: int | None) -> CheckpointInspect
             components=components_of(doc, tensors),
             tensors=tensors,
             optimizer=coverage,
+            fingerprint_format=manifest.fingerprint_algorithm(doc),
+            fingerprint_note=weakness(manifest.fingerprint_algorithm(doc)),
         )
     raise CheckpointError(f"{path} changed faster than it could be read")
 

@@ -198,6 +198,9 @@ def _verify(
     _check_references(doc, report)
     algorithm = manifest.fingerprint_algorithm(doc)
     check_prints = algorithm in fingerprint.ALGORITHMS
+    weak = fingerprint.weakness(algorithm)
+    if weak:
+        report.warnings.append(weak)
     if not check_prints:
         report.warnings.append(
             f"fingerprints use {algorithm!r}, which this unbroken cannot recompute; only "
