@@ -53,7 +53,7 @@ test-torch2.14: $(STAMP_NEXT)
 test-all: test test-torch2.14
 
 clean:
-	rm -rf $(VENV) $(VENV_NEXT) build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(VENV_NEXT) build *.egg-info src/*.egg-info src/unbroken/format/*.so
 
 # Benchmarks (20-30 minutes on 2 idle cores): benchmarks/save_restore.py is the one suite,
 # every way to save and restore behind one contender API (benchmarks/contenders.py: ours

@@ -6,8 +6,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "unbroken.format._mix64",
-            ["src/unbroken/format/_mix64.c"],
+            "unbroken.format.mix64_kernel",
+            ["src/unbroken/format/mix64_kernel.c"],
             extra_compile_args=["-O3"],
             optional=True,
         )

@@ -31,11 +31,14 @@ is a per-device cache of constants. Ops go on the current stream of the device.
 from __future__ import annotations
 
 import functools
-import itertools
-import math
-import operator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from .shard_runs import M1 as _M1
+from .shard_runs import M2 as _M2
+from .shard_runs import Runs as _Runs
+from .shard_runs import mix_ as _mix_
+from .shard_runs import row_major_bytes as _row_major_bytes
+from .shard_runs import signed as _signed
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -49,7 +52,6 @@ _BLOCK = 4096  # L: words per weight block, a power of two (g mod L = g & (L - 1
 _BLOCK_BITS = 12
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment: T[i] = mix(i + golden) | 1
 _SALT = _GOLDEN ^ 0x5BD1E995  # U(b) = mix(b + salt) | 1
-_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 # Bound on the device memory of temporaries, whatever the tensor's size: each step takes
 # a slab of words such that its word-sized temporaries (_BLOCK_TEMPS or _ROW_TEMPS of
 # them, 8 bytes a word) fit in it. Tests lower it to cross slab boundaries cheaply.
@@ -91,62 +93,6 @@ def partial_on_device(
     else:
         total += _rows_sum(data, runs)
     return int(total.item()) & _MASK
-
-
-def _row_major_bytes(t: torch.Tensor) -> torch.Tensor:
-    import torch
-
-    from .shards import row_major
-
-    return row_major(t.detach().resolve_conj().resolve_neg()).view(torch.uint8)
-
-
-@dataclass(frozen=True)
-class _Runs:
-    """Where a shard's bytes lie in the global byte stream: ``count`` runs of ``length``
-    bytes, run ``n`` (row-major over the leading dims ``sizes``) starting at global byte
-    ``base + sum(i_d * strides[d])``, ``i`` the multi-index of ``n``."""
-
-    count: int
-    length: int
-    base: int
-    sizes: tuple[int, ...]
-    strides: tuple[int, ...]  # global byte strides of the leading dims
-
-    @classmethod
-    def of(cls, sizes: list[int], shape: list[int], offsets: list[int], size: int) -> _Runs:
-        """As ``fingerprint.partial`` cuts them: runs span dims from the last cut one on."""
-        if not sizes:  # 0-d: one element
-            return cls(1, size, 0, (), ())
-        strides = [size * math.prod(shape[d + 1 :]) for d in range(len(shape))]
-        cut = [d for d in range(len(shape)) if sizes[d] != shape[d]]
-        k = cut[-1] if cut else 0
-        base = sum(offsets[d] * strides[d] for d in range(k + 1))
-        lead = tuple(sizes[:k])
-        return cls(math.prod(lead), sizes[k] * strides[k], base, lead, tuple(strides[:k]))
-
-    def host_starts(self) -> list[int]:
-        """Each run's first global byte (used when runs are few)."""
-        indices = itertools.product(*(range(s) for s in self.sizes))
-        return [self.base + sum(map(operator.mul, i, self.strides)) for i in indices]
-
-    def starts(self, first: int, count: int, device: torch.device) -> torch.Tensor:
-        """First global bytes of runs ``first .. first + count - 1``, on ``device``."""
-        import torch
-
-        n = torch.arange(first, first + count, dtype=torch.int64, device=device)
-        start = torch.full_like(n, self.base)
-        for size, stride in zip(reversed(self.sizes), reversed(self.strides), strict=True):
-            start += (n % size) * stride
-            n = n // size
-        return start
-
-    def residues(self) -> list[int]:
-        """Every value ``start % 8`` of a run may take (a superset: few and cheap)."""
-        found = {self.base % 8}
-        for size, stride in zip(self.sizes, self.strides, strict=True):
-            found = {(r + i * stride) % 8 for r in found for i in range(min(size, 8))}
-        return sorted(found)
 
 
 def _slab_words(temps: int) -> int:
@@ -274,21 +220,6 @@ def _block_weights(blocks: torch.Tensor) -> torch.Tensor:
     return _mix_(blocks).bitwise_or_(1)
 
 
-def _mix_(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finalizer on int64 ``x`` in place, mod 2**64."""
-    x ^= _lsr(x, 30)
-    x *= _signed(_M1)
-    x ^= _lsr(x, 27)
-    x *= _signed(_M2)
-    x ^= _lsr(x, 31)
-    return x
-
-
-def _lsr(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 ``x`` by ``s`` in 1..63 (``>>`` is arithmetic)."""
-    return (x >> s).bitwise_and_((1 << (64 - s)) - 1)
-
-
 @functools.cache
 def _constants(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """``T`` (L odd int64 weights) and the byte place values ``256**i`` (i < 8), made on
@@ -309,9 +240,3 @@ def _mix_int(x: int) -> int:  # _mix_ on the host, for one block's U as a scalar
 
 def _block_weight_int(b: int) -> int:
     return _mix_int(b + _SALT) | 1
-
-
-def _signed(x: int) -> int:
-    """``x`` mod 2**64 as the int64 with the same bits."""
-    x &= _MASK
-    return x - (1 << 64) if x >> 63 else x

@@ -18,7 +18,7 @@ over shards: each shard adds its own units with their global indices, on any dev
 
 Two implementations, the same digest bit for bit (tests/unit/test_mix64.py):
 
-- the host kernel ``_mix64`` (C, built at install, one core, no GIL), for CPU tensors;
+- the host kernel ``mix64_kernel`` (C, built at install, one core, no GIL), for CPU tensors;
 - torch ops (:func:`partial_torch`) on the tensor's own device, and on the CPU where the
   kernel was not built.
 """
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .device_fingerprint import _mix_, _row_major_bytes, _Runs, _signed
+from .shard_runs import Runs, mix_, row_major_bytes, signed
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import torch
 
 try:  # the optional compiled kernel (setup.py); torch ops compute the same without it
-    from . import _mix64 as _kernel
+    from . import mix64_kernel as _kernel
 except ImportError:  # pragma: no cover - only where no compiler was found at install
     _kernel = None
 
@@ -75,9 +75,9 @@ def _unit(local: torch.Tensor) -> int:
 def _partial_host(local: torch.Tensor, global_shape: Sequence[int], offsets: Sequence[int]) -> int:
     import torch
 
-    data = _row_major_bytes(local).numpy()
+    data = row_major_bytes(local).numpy()
     unit = _unit(local)
-    runs = _Runs.of(list(local.shape), list(global_shape), list(offsets), local.element_size())
+    runs = Runs.of(list(local.shape), list(global_shape), list(offsets), local.element_size())
     total = 0
     cpu = torch.device("cpu")
     for first in range(0, runs.count, _BATCH_RUNS):
@@ -94,9 +94,9 @@ def partial_torch(local: torch.Tensor, global_shape: Sequence[int], offsets: Seq
 
     if local.numel() == 0:
         return 0
-    data = _row_major_bytes(local)
+    data = row_major_bytes(local)
     unit = _unit(local)
-    runs = _Runs.of(list(local.shape), list(global_shape), list(offsets), local.element_size())
+    runs = Runs.of(list(local.shape), list(global_shape), list(offsets), local.element_size())
     run_units = runs.length // unit
     total = torch.zeros((), dtype=torch.int64, device=data.device)
     if run_units >= _SLAB_UNITS:  # long runs: one at a time, a slab of each at a time
@@ -130,5 +130,5 @@ def _terms(raw: torch.Tensor, unit: int, index: torch.Tensor) -> torch.Tensor:
         values = raw.view(words).to(torch.int64)
         if unit < 8:  # zero-extend, as the kernel reads unsigned units
             values.bitwise_and_((1 << (8 * unit)) - 1)
-    key = index.mul_(_signed(GOLDEN)).add_(_signed(SALT))
-    return _mix_(key.bitwise_xor_(values))
+    key = index.mul_(signed(GOLDEN)).add_(signed(SALT))
+    return mix_(key.bitwise_xor_(values))

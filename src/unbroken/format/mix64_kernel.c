@@ -94,6 +94,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_mix64", NULL, -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "mix64_kernel", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__mix64(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_mix64_kernel(void) { return PyModule_Create(&module); }
