@@ -14,6 +14,7 @@ from torch import nn
 from .core import background, resuming, saving
 from .core.collective import any_rank, rank
 from .errors import CheckpointError
+from .live import gradients as grads
 from .live import probe
 from .live.components import as_step, build_components
 from .live.stopping import StopPolicy
@@ -81,6 +82,13 @@ class Checkpointer:
         grad_norm_metric: the tracked gradient norm's name, or None if none is tracked
             (the check then judges the loss alone). Default ``"grad_norm"``.
         trackers: rank 0 forwards tracked metrics to them (docs/integrations/trackers.md).
+        gradients: what a save does with gradients the parameters hold (a save between
+            two micro-batches of gradient accumulation). ``"warn"`` (default): they are
+            not saved; when some are nonzero the save warns naming them and the manifest
+            records it (``gradients``). ``"save"``: every ``.grad`` that exists is saved
+            (the component ``gradients``) and restored bit for bit, so a stop between
+            micro-batches resumes exactly; with ``zero_grad(set_to_none=True)`` (torch's
+            default) a save at a step boundary holds none and costs nothing more.
 
     Example::
 
@@ -109,6 +117,7 @@ class Checkpointer:
         loss_metric: str = "loss",
         grad_norm_metric: str | None = "grad_norm",
         trackers: Sequence[Tracker] | None = None,
+        gradients: str = "warn",
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
@@ -118,7 +127,9 @@ class Checkpointer:
         self._overwrite = bool(overwrite)
         self._model = model
         self._probe = probe
-        self._components = build_components(model, optimizer, scheduler, dataloader, extra)
+        self._components = build_components(
+            model, optimizer, scheduler, dataloader, extra, gradients=grads.check_mode(gradients)
+        )
         self._run = Run(
             self._dir,
             self._components,
@@ -163,7 +174,9 @@ class Checkpointer:
         or restored (or before, if it neither restored nor was made with ``overwrite``):
         the message names both runs, the step and what to do. A save whose model changed
         since the last one while an optimizer covering it holds no state and did not step
-        is committed with a warning (:attr:`warnings`, the manifest's ``save_warnings``).
+        is committed with a warning (:attr:`warnings`, the manifest's ``save_warnings``),
+        as is a save while parameters hold nonzero gradients that it does not save (in
+        the middle of gradient accumulation; see ``gradients``).
         """
         self._check_open()
         step = as_step(step)

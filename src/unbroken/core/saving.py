@@ -22,7 +22,7 @@ from ..errors import CheckpointError
 from ..format import fingerprint, layout, manifest, tree
 from ..format.shard_writer import ShardWriter, write_files
 from ..format.shards import quiet_single_process
-from ..live import stages
+from ..live import gradients, stages
 from ..live.components import rank_prefix
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, StatefulComponent, device_kind
@@ -95,6 +95,8 @@ class Staged:
     partitioned: set[str] = dataclasses.field(default_factory=set)
     # What the components found at capture (Component.save_warnings; rank 0's are kept).
     notes: list[str] = dataclasses.field(default_factory=list)
+    # This rank's parameters holding gradients at capture (live/gradients.py: held).
+    gradients: list[str] = dataclasses.field(default_factory=list)
 
 
 def stage(
@@ -154,7 +156,15 @@ def stage(
             buffers.keep_only(flat)
         notes = [note for c in request.components for note in c.save_warnings()]
         return Staged(
-            request, skeletons, flat, info, per_rank, deferred, partitioned=partitioned, notes=notes
+            request,
+            skeletons,
+            flat,
+            info,
+            per_rank,
+            deferred,
+            partitioned=partitioned,
+            notes=notes,
+            gradients=gradients.held(request.components),
         )
 
     staged = collective.agree(encode)
@@ -297,6 +307,7 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
             },
             "files": writer.file_records,
             "probe": request.probe,
+            "gradients": staged.gradients,
         }
     gathered = collective.gather_to_rank0(local)  # only rank 0 writes the manifest
 
@@ -340,6 +351,10 @@ def _manifest_body(
         writer.metadata, verify.combine([g["partials"] for g in gathered]), info
     )
     warnings = list(staged.notes)
+    held = gradients.record(
+        [g["gradients"] for g in gathered], saved=gradients.saves(request.components)
+    )
+    warnings += [w for w in [gradients.warning(held)] if w is not None]
     if request.run is not None:
         warnings += request.run.findings(staged.skeletons, tensors, algorithm)
     probes = [g["probe"] for g in gathered]
@@ -354,6 +369,7 @@ def _manifest_body(
         metrics=request.run.metrics if request.run is not None else [],
         probes=probes if probes[0] is not None else None,
         warnings=warnings,
+        gradients=held,
     )
 
 

@@ -132,9 +132,12 @@ def document(
     metrics: list[dict[str, Any]],
     probes: list[Any] | None,
     warnings: list[str],
+    gradients: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A checkpoint's manifest document, as :func:`encode` seals it and :func:`read`
-    checks it (``schema.py`` says what each field may hold)."""
+    checks it (``schema.py`` says what each field may hold). ``gradients``: how many
+    parameters held gradients at save and whether they were saved (live/gradients.py),
+    left out when none did."""
     import torch
 
     from .._version import __version__
@@ -158,6 +161,7 @@ def document(
         "metrics": metrics,
         "probe": {"ranks": probes} if probes is not None else None,
         **({"save_warnings": warnings} if warnings else {}),
+        **({"gradients": gradients} if gradients else {}),
     }
 
 

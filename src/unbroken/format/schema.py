@@ -32,6 +32,7 @@ MAX_TIME = 1e11  # seconds since 1970 (the year 5138)
 MAX_PROBE_VALUES = 65536
 MAX_FILES_PER_RANK = 16  # a rank's shard is one file, or a few written side by side
 MAX_SAVE_WARNINGS = 256  # warnings a save records (optional; one per optimizer at most)
+MAX_GRADIENT_NAMES = 16  # FQNs the ``gradients`` record names (a save names 5)
 SAFE_FILE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 # A run's identity (the lineage's ``run``, ``Checkpointer.run_id``): usable as is as a
 # tracker's run id (W&B refuses some characters) and in paths.
@@ -134,6 +135,19 @@ def _validate(doc: dict[str, Any]) -> None:
         notes = _list(doc["save_warnings"], "save_warnings", lambda x, w: _str(x, w, MAX_NAME))
         if len(notes) > MAX_SAVE_WARNINGS:
             _fail("save_warnings", f"{len(notes)} entries, more than {MAX_SAVE_WARNINGS}")
+    if doc.get("gradients") is not None:  # optional: parameters holding gradients at save
+        _gradients(_dict(doc["gradients"], "gradients"))
+
+
+def _gradients(found: dict[str, Any]) -> None:
+    _int(found.get("held"), "gradients/held", 1)
+    if not isinstance(found.get("saved"), bool):
+        _fail("gradients/saved", f"{_short(found.get('saved'))} is not true or false")
+    names = _list(
+        found.get("parameters"), "gradients/parameters", lambda x, w: _str(x, w, MAX_NAME)
+    )
+    if len(names) > MAX_GRADIENT_NAMES:
+        _fail("gradients/parameters", f"{len(names)} entries, more than {MAX_GRADIENT_NAMES}")
 
 
 def unreferenced(doc: dict[str, Any]) -> list[str]:

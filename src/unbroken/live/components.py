@@ -1,6 +1,6 @@
 """The components of a Checkpointer, built from what the caller passed, in install order:
-model, optimizer, scheduler, extras, dataloader, and the RNG streams last (so nothing
-installed before it can shift a random draw)."""
+model, optimizer, the gradients (when saved), scheduler, extras, dataloader, and the RNG
+streams last (so nothing installed before it can shift a random draw)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .dataloader import dataloader_component
+from .gradients import GradientsComponent
 from .optimizer import OptimizerComponent
 from .rng import RNGState
 from .state import Component, ModelComponent, StatefulComponent
@@ -35,12 +36,19 @@ def build_components(
     scheduler: Any,
     dataloader: Any,
     extra: Mapping[str, Any] | None,
+    *,
+    gradients: str = "warn",
 ) -> list[Component]:
-    """One component per argument given; ``rng`` always."""
+    """One component per argument given; ``rng`` always; ``gradients`` with
+    ``gradients="save"`` (live/gradients.py)."""
     model_c = ModelComponent(model)
     comps: list[Component] = [model_c]
     if optimizer is not None:
         comps.append(OptimizerComponent(optimizer, model_c))
+    if gradients == "save":
+        if "gradients" in (extra or {}):
+            raise ValueError('extra key "gradients" is taken by gradients="save": rename it')
+        comps.append(GradientsComponent(model_c))
     if scheduler is not None:
         comps.append(StatefulComponent("scheduler", scheduler, kind="scheduler"))
     for name, obj in (extra or {}).items():

@@ -1,0 +1,205 @@
+"""A save in the middle of gradient accumulation (issue 36 item 6).
+
+Before: a save between two micro-batches committed without the pending gradients, with no
+warning and nothing in the manifest; the restore said verified and the resumed run
+diverged. Now the save warns and records it, and ``gradients="save"`` keeps them so that
+a stop between micro-batches resumes bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import unbroken as ub
+from conftest import Problem, assert_same_training_state
+from unbroken.format import manifest
+
+ACCUMULATE = 3  # micro-batches per optimizer step
+PARAMETERS = ["inp.bias", "inp.weight", "out.bias", "out.weight"]
+
+
+class Accumulating(Problem):
+    """The learnable Problem trained with gradient accumulation: ``micro(i)`` runs the
+    ``i``-th micro-batch (1-based) and steps the optimizer after every ``ACCUMULATE``."""
+
+    def __init__(self, seed: int = 0, *, set_to_none: bool = True) -> None:
+        super().__init__(seed)
+        self.set_to_none = set_to_none
+
+    def micro(self, i: int) -> float:
+        x = torch.randn(16, 4)
+        loss = (self.model(x) - torch.sin(x).sum(dim=1, keepdim=True)).pow(2).mean()
+        (loss / ACCUMULATE).backward()
+        if i % ACCUMULATE == 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.opt.step()
+            self.sched.step()
+            self.opt.zero_grad(set_to_none=self.set_to_none)
+        return loss.item()
+
+
+def _train(p: Accumulating, first: int, last: int) -> list[float]:
+    return [p.micro(i) for i in range(first, last + 1)]
+
+
+def _doc(ckpt_dir, step: int) -> dict:
+    return manifest.read(ckpt_dir / f"step_{step:08d}")
+
+
+def test_a_save_between_micro_batches_warns_and_records(ckpt_dir):
+    """Item 6: a save holding pending gradients (4 micro-batches: one step, then one
+    micro-batch's backward) warns naming how many parameters and which, says what to do,
+    and the manifest records it; the restore repeats the warning. Old code: silent."""
+    p = Accumulating()
+    ckpt = p.checkpointer(ckpt_dir)
+    ckpt.restore()
+    _train(p, 1, 4)
+    ckpt.save(4)
+    ckpt.close()
+    found = [w for w in ckpt.warnings if "gradient accumulation" in w]
+    assert len(found) == 1, ckpt.warnings
+    assert "4 parameter(s) hold nonzero gradients" in found[0]
+    assert "inp.weight" in found[0] and 'gradients="save"' in found[0]
+    assert "optimizer.step()" in found[0]
+    doc = _doc(ckpt_dir, 4)
+    assert doc["gradients"] == {"held": 4, "saved": False, "parameters": PARAMETERS}
+    assert found[0] in doc["save_warnings"]
+    report = Accumulating(seed=3).checkpointer(ckpt_dir).restore()
+    assert report.verified and any("gradient accumulation" in w for w in report.warnings)
+
+
+def test_a_save_at_a_step_boundary_says_nothing(ckpt_dir):
+    """Item 6, no false alarm: after zero_grad() (None, torch's default) or
+    zero_grad(set_to_none=False) (all-zero gradients: no pending work) the save neither
+    warns nor records gradients."""
+    for set_to_none in (True, False):
+        p = Accumulating(set_to_none=set_to_none)
+        folder = ckpt_dir / str(set_to_none)
+        ckpt = p.checkpointer(folder)
+        ckpt.restore()
+        _train(p, 1, 6)
+        assert all((q.grad is None) == set_to_none for q in p.model.parameters())
+        ckpt.save(6)
+        ckpt.close()
+        assert not [w for w in ckpt.warnings if "gradient" in w], ckpt.warnings
+        assert "gradients" not in _doc(folder, 6)
+
+
+def test_a_gradient_of_one_parameter_is_named(ckpt_dir):
+    """Item 6: one nonzero gradient among zero ones is found and named alone."""
+    p = Accumulating(set_to_none=False)
+    ckpt = p.checkpointer(ckpt_dir)
+    ckpt.restore()
+    _train(p, 1, 3)
+    p.model.out.bias.grad.add_(1e-30)
+    ckpt.save(3)
+    ckpt.close()
+    assert _doc(ckpt_dir, 3)["gradients"] == {
+        "held": 1,
+        "saved": False,
+        "parameters": ["out.bias"],
+    }
+
+
+def _resume(ckpt_dir, stop: int, last: int, **options) -> tuple[Accumulating, list[float]]:
+    torch.manual_seed(999)
+    p = Accumulating(seed=7)
+    ckpt = p.checkpointer(ckpt_dir, **options)
+    report = ckpt.restore()
+    assert report.step == stop and report.verified
+    losses = _train(p, stop + 1, last)
+    ckpt.close()
+    return p, losses
+
+
+@pytest.mark.parametrize("stop", [4, 5])
+def test_saved_gradients_resume_bit_for_bit(tmp_path, stop):
+    """Item 6, the exact path: with gradients="save" a stop between micro-batches (after
+    one or two of three) resumes bit for bit: the gradients come back as saved, and
+    parameters, AdamW state and losses after several more steps equal an uninterrupted
+    run's. Without it the same resume diverges (what the warning is about)."""
+    last = 12
+    straight = Accumulating()
+    expected = _train(straight, 1, last)
+
+    first = Accumulating()
+    ckpt = first.checkpointer(tmp_path / "saved", gradients="save")
+    ckpt.restore()
+    _train(first, 1, stop)
+    held = {n: q.grad.clone() for n, q in first.model.named_parameters()}
+    ckpt.save(stop)
+    ckpt.close()
+    assert not [w for w in ckpt.warnings if "gradient" in w]
+    assert _doc(tmp_path / "saved", stop)["gradients"] == {
+        "held": 4,
+        "saved": True,
+        "parameters": PARAMETERS,
+    }
+
+    torch.manual_seed(999)
+    probe = Accumulating(seed=7)
+    report = probe.checkpointer(tmp_path / "saved", gradients="save").restore()
+    assert report.components["gradients"] == "restored"
+    for n, q in probe.model.named_parameters():
+        assert q.grad.dtype == held[n].dtype and torch.equal(q.grad, held[n]), n
+
+    resumed, losses = _resume(tmp_path / "saved", stop, last, gradients="save")
+    assert losses == expected[stop:]
+    assert_same_training_state(straight, resumed)
+
+    # The same stop without the gradients: the run diverges.
+    lost = Accumulating()
+    ckpt = lost.checkpointer(tmp_path / "lost")
+    ckpt.restore()
+    _train(lost, 1, stop)
+    ckpt.save(stop)
+    ckpt.close()
+    diverged, losses = _resume(tmp_path / "lost", stop, last)
+    assert losses != expected[stop:]
+    assert not torch.equal(diverged.model.inp.weight, straight.model.inp.weight)
+
+
+def test_saved_gradients_come_back_as_none_where_there_were_none(ckpt_dir):
+    """Item 6: gradients="save" at a step boundary holds no gradients; the restore sets
+    every live .grad to None, as at the save (a stale gradient would be stepped)."""
+    p = Accumulating()
+    ckpt = p.checkpointer(ckpt_dir, gradients="save")
+    ckpt.restore()
+    _train(p, 1, 3)
+    ckpt.save(3)
+    ckpt.close()
+    assert "gradients" not in _doc(ckpt_dir, 3)
+    q = Accumulating(seed=7)
+    _train(q, 1, 2)  # stale gradients in the live model
+    report = q.checkpointer(ckpt_dir, gradients="save").restore()
+    assert report.components["gradients"] == "restored"
+    assert all(t.grad is None for t in q.model.parameters())
+
+
+def test_gradients_option_and_components_must_match(ckpt_dir):
+    """Item 6: a bad ``gradients`` value is refused naming it; a checkpoint with saved
+    gradients restored without gradients="save", or one without them restored with it,
+    is refused naming 'gradients' and what to do."""
+    p = Accumulating()
+    with pytest.raises(ValueError, match="gradients must be 'warn' or 'save'"):
+        p.checkpointer(ckpt_dir, gradients="keep")
+    ckpt = p.checkpointer(ckpt_dir, gradients="save")
+    ckpt.restore()
+    _train(p, 1, 4)
+    ckpt.save(4)
+    ckpt.close()
+    with pytest.raises(ub.StateMismatchError, match="'gradients'"):
+        Accumulating(seed=7).checkpointer(ckpt_dir).restore()
+    report = Accumulating(seed=7).checkpointer(ckpt_dir).restore(skip={"gradients"})
+    assert report.components["gradients"] == "absent"
+
+    other = ckpt_dir.parent / "other"
+    q = Accumulating()
+    ckpt = q.checkpointer(other)
+    ckpt.restore()
+    _train(q, 1, 3)
+    ckpt.save(3)
+    ckpt.close()
+    with pytest.raises(ub.IncompleteCheckpointError, match="reset=\\{'gradients'\\}"):
+        Accumulating(seed=7).checkpointer(other, gradients="save").restore()
