@@ -140,6 +140,7 @@ class Checkpointer:
             trackers=trackers,
         )
         self._noted_per_rank: set[str] = set()  # shared components found to differ by rank
+        self._gradient_watch = grads.StepWatch(self._components)
         self._stop = StopPolicy(agree=any_rank)
         self._closed = False
         mode = background.check_mode(async_save)
@@ -188,6 +189,7 @@ class Checkpointer:
             run=self._run.begin_save(step),
             probe=record,
             noted_per_rank=self._noted_per_rank,
+            gradient_watch=self._gradient_watch,
         )
         if self._saver is None:
             self._finish_save(saving.stage(request))
@@ -296,6 +298,7 @@ class Checkpointer:
             self._run.finish()
         finally:
             self._run.release()
+            self._gradient_watch.close()
             self._stop.close()
             if self._saver is not None:
                 self._saver.close()

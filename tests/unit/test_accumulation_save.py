@@ -86,6 +86,24 @@ def test_a_save_at_a_step_boundary_says_nothing(ckpt_dir):
         assert "gradients" not in _doc(folder, 6)
 
 
+def test_gradients_an_optimizer_step_consumed_are_not_pending(ckpt_dir):
+    """Item 6, no false alarm: a loop that calls zero_grad() at the start of each step
+    keeps the gradients its last step used; they are no pending work (no warning). A
+    backward after that step accumulates into them: pending again, warned."""
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir)
+    ckpt.restore()
+    p.step(), p.step()
+    assert all(q.grad is not None and q.grad.any() for q in p.model.parameters())
+    ckpt.save(2)
+    assert not [w for w in ckpt.warnings if "gradient" in w], ckpt.warnings
+    assert "gradients" not in _doc(ckpt_dir, 2)
+    p.model(torch.randn(4, 4)).sum().backward()
+    ckpt.save(3)
+    ckpt.close()
+    assert _doc(ckpt_dir, 3)["gradients"]["held"] == 4
+
+
 def test_a_gradient_of_one_parameter_is_named(ckpt_dir):
     """Item 6: one nonzero gradient among zero ones is found and named alone."""
     p = Accumulating(set_to_none=False)

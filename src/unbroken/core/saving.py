@@ -74,6 +74,8 @@ class SaveRequest:
     probe: dict[str, Any] | None  # this rank's probe record
     # shared components already reported as saved per rank (warned once, then kept quiet)
     noted_per_rank: set[str] = dataclasses.field(default_factory=set)
+    # which gradients the optimizers' steps consumed (None: every nonzero one is pending)
+    gradient_watch: gradients.StepWatch | None = None
 
 
 @dataclasses.dataclass
@@ -164,7 +166,7 @@ def stage(
             deferred,
             partitioned=partitioned,
             notes=notes,
-            gradients=gradients.held(request.components),
+            gradients=gradients.held(request.components, request.gradient_watch),
         )
 
     staged = collective.agree(encode)

@@ -12,14 +12,22 @@ restarted from nothing, and the resumed run diverges. So a save either
   that exists, keyed by parameter FQN, and a restore puts each back bit for bit (and
   sets the others to None), so a stop between micro-batches resumes exactly.
 
+Pending means not yet used by an optimizer step: a gradient that the last ``step()`` of
+its optimizer already consumed (a loop that calls ``zero_grad()`` at the start of each
+step keeps it until then) is no pending work; :class:`StepWatch` tells it by a step
+post-hook noting which ``.grad`` each parameter held (the tensor, by weak reference, and
+its version counter, which backward's accumulation advances). Nor is a gradient that is
+all zeros (``zero_grad(set_to_none=False)``).
+
 Cheap by design: with torch's default ``zero_grad(set_to_none=True)`` no gradient exists
-between steps and the check is one ``p.grad is not None`` scan. Gradients that exist
-are read once, on their device, in one reduction per device: a gradient that is all
-zeros (``zero_grad(set_to_none=False)``) holds no pending work and is not warned about.
+between steps and the save's check is one ``p.grad is not None`` scan. Gradients that
+exist and were not consumed are read once, on their device, in one reduction per
+device, to tell zeros from work.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from ..errors import CheckpointError
 from ..format import tree
+from .optimizer import OptimizerComponent
 from .state import Component, ModelComponent, StatefulComponent, empty_target, listing
 
 MODES = ("warn", "save")
@@ -95,17 +104,67 @@ def saves(components: list[Component]) -> bool:
     return any(isinstance(c, GradientsComponent) for c in components)
 
 
-def held(components: list[Component]) -> list[str]:
+class StepWatch:
+    """Which gradients the optimizers' last steps consumed (module docstring).
+
+    A step post-hook on each optimizer passed notes, for each of its parameters, the
+    ``.grad`` it held after the step: a weak reference (a gradient freed by
+    ``zero_grad()`` is not kept alive) and its version counters. Costs one pass over
+    the optimizer's parameters per ``step()``. Not thread-safe: steps and saves come
+    from the training loop's thread.
+    """
+
+    def __init__(self, components: list[Component]) -> None:
+        self._seen: dict[torch.Tensor, tuple[weakref.ref, tuple[int, int]]] = {}
+        self._handles: list[Any] = []
+        for c in components:
+            if isinstance(c, OptimizerComponent):
+                for opt in c.optimizers.values():
+                    self._handles.append(opt.register_step_post_hook(self._stepped))
+
+    def _stepped(self, opt: torch.optim.Optimizer, *_: Any) -> None:
+        for group in opt.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    self._seen.pop(p, None)
+                else:
+                    self._seen[p] = (weakref.ref(g), _versions(g))
+
+    def consumed(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s gradient is the one its optimizer's last step used, unchanged."""
+        g, seen = p.grad, self._seen.get(p)
+        return g is not None and seen is not None and seen[0]() is g and seen[1] == _versions(g)
+
+    def close(self) -> None:
+        """Remove the step hooks."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._seen.clear()
+
+
+def _versions(g: torch.Tensor) -> tuple[int, int]:
+    # A DTensor's in-place ops advance its own counter, writes into its shard only the
+    # shard's: both are watched.
+    return g._version, (g.to_local() if isinstance(g, DTensor) else g)._version
+
+
+def held(components: list[Component], watch: StepWatch | None = None) -> list[str]:
     """This rank's view, at save: the FQNs of the parameters whose gradients the save
     keeps (with a :class:`GradientsComponent`: every existing ``.grad``), else of those
-    holding a nonzero gradient (pending work the checkpoint will lack). Sorted."""
+    holding pending work the checkpoint will lack: a nonzero gradient that the ``watch``
+    does not know as consumed by an optimizer step. Sorted."""
     models = [c for c in components if isinstance(c, ModelComponent)]
+    saving = saves(components)
     found: list[tuple[str, torch.Tensor]] = []
     for model in models:
         for param, fqns in model.parameter_fqn_sets().items():
-            if param.grad is not None:
+            if param.grad is None:
+                continue
+            if saving or watch is None or not watch.consumed(param):
                 found.append((min(fqns), param.grad))
-    if not saves(components):
+    if not saving:
         flags = _nonzero([g for _, g in found])
         found = [pair for pair, live in zip(found, flags, strict=True) if live]
     return sorted(fqn for fqn, _ in found)
