@@ -140,11 +140,11 @@ class Checkpointer:
             trackers=trackers,
         )
         self._noted_per_rank: set[str] = set()  # shared components found to differ by rank
-        self._gradient_watch = grads.StepWatch(self._components)
         self._stop = StopPolicy(agree=any_rank)
         self._closed = False
         mode = background.check_mode(async_save)
         self._saver = background.BackgroundSaver(mode, self._components) if mode else None
+        self._gradient_watch = grads.StepWatch()  # which gradients a step consumed
 
     @property
     def run_id(self) -> str:

@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..errors import CheckpointError
 from ..format import tree
-from .optimizer import OptimizerComponent
 from .state import Component, ModelComponent, StatefulComponent, empty_target, listing
 
 MODES = ("warn", "save")
@@ -105,42 +105,51 @@ def saves(components: list[Component]) -> bool:
 
 
 class StepWatch:
-    """Which gradients the optimizers' last steps consumed (module docstring).
+    """Which gradients optimizer steps consumed (module docstring).
 
-    A step post-hook on each optimizer passed notes, for each of its parameters, the
-    ``.grad`` it held after the step: a weak reference (a gradient freed by
-    ``zero_grad()`` is not kept alive) and its version counters. Costs one pass over
-    the optimizer's parameters per ``step()``. Not thread-safe: steps and saves come
-    from the training loop's thread.
+    A global optimizer step post-hook (torch's ``register_optimizer_step_post_hook``:
+    every optimizer counts, passed to the Checkpointer or not, e.g. one a framework
+    wraps) notes, for each parameter of the optimizer that stepped, the ``.grad`` it
+    held after the step: by weak references (a gradient freed by ``zero_grad()`` is not
+    kept alive) and its version counters. Costs one pass over that optimizer's
+    parameters per ``step()``. Not thread-safe: steps and saves come from the training
+    loop's thread.
     """
 
-    def __init__(self, components: list[Component]) -> None:
-        self._seen: dict[torch.Tensor, tuple[weakref.ref, tuple[int, int]]] = {}
-        self._handles: list[Any] = []
-        for c in components:
-            if isinstance(c, OptimizerComponent):
-                for opt in c.optimizers.values():
-                    self._handles.append(opt.register_step_post_hook(self._stepped))
+    def __init__(self) -> None:
+        self._seen: dict[int, tuple[weakref.ref, weakref.ref, tuple[int, int]]] = {}
+        mine = weakref.ref(self)  # the hook keeps no watch alive; a dropped one goes
+
+        def hook(opt: torch.optim.Optimizer, *_: Any) -> None:
+            watch = mine()
+            if watch is not None:
+                watch._stepped(opt)
+
+        self._handle: Any = register_optimizer_step_post_hook(hook)
+        weakref.finalize(self, self._handle.remove)
 
     def _stepped(self, opt: torch.optim.Optimizer, *_: Any) -> None:
         for group in opt.param_groups:
             for p in group["params"]:
                 g = p.grad
                 if g is None:
-                    self._seen.pop(p, None)
+                    self._seen.pop(id(p), None)
                 else:
-                    self._seen[p] = (weakref.ref(g), _versions(g))
+                    self._seen[id(p)] = (weakref.ref(p), weakref.ref(g), _versions(g))
 
     def consumed(self, p: torch.Tensor) -> bool:
-        """Whether ``p``'s gradient is the one its optimizer's last step used, unchanged."""
-        g, seen = p.grad, self._seen.get(p)
-        return g is not None and seen is not None and seen[0]() is g and seen[1] == _versions(g)
+        """Whether ``p``'s gradient is the one an optimizer's last step of ``p`` used,
+        unchanged since."""
+        g, seen = p.grad, self._seen.get(id(p))
+        if g is None or seen is None:
+            return False
+        return seen[0]() is p and seen[1]() is g and seen[2] == _versions(g)
 
     def close(self) -> None:
-        """Remove the step hooks."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        """Remove the step hook."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
         self._seen.clear()
 
 
