@@ -30,6 +30,7 @@ from ..format import bitwise, manifest
 from ..format.series import Series
 from ..format.state_compare import StateComparison, compare_state
 from .generators import differing, label
+from .lost_gradients import note as lost_gradients
 from .resume_lineage import ordinal, resets
 
 _SHOWN = 6  # components named in a cause
@@ -120,7 +121,7 @@ def likely_cause(ev: Evidence, a: Series, b: Series) -> Cause:
             f"no evidence in the saved state: every checkpoint both runs kept (step(s) "
             f"{', '.join(map(str, ev.steps))}) holds the same state{_left_out(ev)}, so the "
             "difference comes from something the checkpoints do not hold (state the "
-            "Checkpointer is not given)"
+            "Checkpointer is not given)" + lost_gradients(stops, ev.resumed, ev.straight)
         )
     return Cause(
         "no evidence: the two runs kept no checkpoint of the same step to compare (save "
@@ -149,6 +150,7 @@ def _at(step: int, last_equal: int | None, what: str, ev: Evidence) -> Cause:
         if s in stops[:before]
     ]
     also = f" (the resumed run restored with {'; '.join(reset)})" if reset else ""
+    also += lost_gradients(stops[:before], ev.resumed, ev.straight)
     if last_equal is not None and last_equal == stop:
         return Cause(
             f"the checkpoints are identical at step {stop}, where the run stopped, and "
