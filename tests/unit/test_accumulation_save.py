@@ -263,3 +263,22 @@ def test_resume_test_of_saved_gradients_is_identical(tmp_path):
     """Item 6: the same stop with gradients="save" proves identical."""
     result = _resume_test(tmp_path, 4, gradients="save")
     assert result.passed, (result.first_difference, result.cause)
+
+
+@pytest.mark.parametrize("mode", [True, "overlap"])
+def test_saved_gradients_are_those_of_the_save_with_async_save(tmp_path, mode):
+    """Item 6 with async_save: the gradients are copied when save() returns, so the next
+    micro-batches' backward (accumulating into them in place while the background save
+    writes) does not reach the checkpoint; the resume is bit for bit."""
+    straight = Accumulating()
+    expected = _train(straight, 1, 9)
+    p = Accumulating()
+    ckpt = p.checkpointer(tmp_path, gradients="save", async_save=mode)
+    ckpt.restore()
+    _train(p, 1, 4)
+    ckpt.save(4)
+    _train(p, 5, 6)  # in place into the saved gradients, then a step
+    ckpt.close()
+    resumed, losses = _resume(tmp_path, 4, 9, gradients="save")
+    assert losses == expected[4:]
+    assert_same_training_state(straight, resumed)

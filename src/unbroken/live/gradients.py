@@ -168,6 +168,9 @@ def held(components: list[Component], watch: StepWatch | None = None) -> list[st
     saving = saves(components)
     found: list[tuple[str, torch.Tensor]] = []
     for model in models:
+        modules = model.models.values()
+        if all(p.grad is None for m in modules for p in m.parameters()):
+            continue  # the common case, torch's default: no FQNs worked out
         for param, fqns in model.parameter_fqn_sets().items():
             if param.grad is None:
                 continue
