@@ -282,3 +282,21 @@ def test_saved_gradients_are_those_of_the_save_with_async_save(tmp_path, mode):
     resumed, losses = _resume(tmp_path, 4, 9, gradients="save")
     assert losses == expected[4:]
     assert_same_training_state(straight, resumed)
+
+
+def test_a_saved_gradient_that_does_not_fit_is_refused_by_name(ckpt_dir):
+    """Item 6: a saved gradient whose parameter is now of another dtype is refused naming
+    the parameter and what to do; the live model is left as it was."""
+    p = Accumulating()
+    ckpt = p.checkpointer(ckpt_dir, gradients="save")
+    ckpt.restore()
+    _train(p, 1, 4)
+    ckpt.save(4)
+    ckpt.close()
+    q = Accumulating(seed=7)
+    q.model.out.bias.data = q.model.out.bias.data.double()
+    before = q.model.out.weight.detach().clone()
+    with pytest.raises(ub.CheckpointError, match=r"'out.bias'.*reset=") as caught:
+        q.checkpointer(ckpt_dir, gradients="save").restore()
+    assert "gradient" in str(caught.value)
+    assert torch.equal(q.model.out.weight, before) and q.model.out.weight.grad is None

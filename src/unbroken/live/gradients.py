@@ -35,7 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StateMismatchError
 from ..format import tree
 from .state import Component, ModelComponent, StatefulComponent, empty_target, listing
 
@@ -75,7 +75,14 @@ class _Grads:
                 f"model lacks: {listing(unknown)}; the architecture changed since the save"
             )
         for fqn, p in params.items():  # the loaded (verified) tensors themselves: no copy
-            p.grad = state.get(fqn)
+            try:
+                p.grad = state.get(fqn)
+            except RuntimeError as exc:  # torch's own checks: dtype, shape, device
+                raise StateMismatchError(
+                    f"the saved gradient of {fqn!r} does not fit the live parameter ({exc}); "
+                    "restore with the model built as at the save, or "
+                    'restore(reset={"gradients"}) to start without the saved gradients'
+                ) from None
 
 
 class GradientsComponent(StatefulComponent):
