@@ -300,3 +300,29 @@ def test_a_saved_gradient_that_does_not_fit_is_refused_by_name(ckpt_dir):
         q.checkpointer(ckpt_dir, gradients="save").restore()
     assert "gradient" in str(caught.value)
     assert torch.equal(q.model.out.weight, before) and q.model.out.weight.grad is None
+
+
+@pytest.mark.parametrize(
+    ("record", "field"),
+    [
+        (5, "gradients"),
+        ({"held": "4", "saved": False, "parameters": []}, "gradients/held"),
+        ({"held": 4, "saved": "no", "parameters": []}, "gradients/saved"),
+        ({"held": 4, "saved": False, "parameters": [7]}, "gradients/parameters/0"),
+    ],
+    ids=["not-an-object", "held", "saved", "parameters"],
+)
+def test_a_hostile_gradients_record_is_damage(tmp_path, record, field):
+    """Item 6: the manifest's new ``gradients`` record is checked by the schema like every
+    field a reader uses (resume-test reads it): a malformed one, re-sealed, is damage
+    named by its field, and restore() falls back to the older step."""
+    import tamper
+    from conftest import save_steps
+
+    root = tmp_path / "run"
+    save_steps(root)
+    work = tamper.edited_copy(root, tmp_path / "work", lambda d: d.update(gradients=record))
+    with pytest.raises(ub.CorruptCheckpointError, match=field):
+        manifest.read(work / "step_00000002")
+    report = Problem(seed=3).checkpointer(work).restore()
+    assert report.step == 1 and any(field in w for w in report.warnings), report.warnings
