@@ -135,14 +135,15 @@ class StepWatch:
         self._handle: Any = register_optimizer_step_post_hook(hook)
         weakref.finalize(self, self._handle.remove)
 
-    def _stepped(self, opt: torch.optim.Optimizer, *_: Any) -> None:
+    def _stepped(self, opt: torch.optim.Optimizer) -> None:
+        # On every step: kept lean (a parameter without a gradient leaves a stale entry,
+        # which consumed() never matches, rather than costing a deletion).
+        seen, ref = self._seen, weakref.ref
         for group in opt.param_groups:
             for p in group["params"]:
                 g = p.grad
-                if g is None:
-                    self._seen.pop(id(p), None)
-                else:
-                    self._seen[id(p)] = (weakref.ref(p), weakref.ref(g), _versions(g))
+                if g is not None:
+                    seen[id(p)] = (ref(p), ref(g), _versions(g))
 
     def consumed(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s gradient is the one an optimizer's last step of ``p`` used,
