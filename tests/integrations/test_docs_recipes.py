@@ -41,6 +41,21 @@ def test_every_integration_page_has_a_recipe():
         assert recipes(page), f"docs/integrations/{page} marks no <!-- recipe: ... --> script"
 
 
+def test_every_integration_page_says_to_seed_the_script():
+    """Issue 36, item 10: torch 2.13 starts its generators from OS entropy in every
+    process, so an unseeded script cannot resume exactly against its straight run. Each
+    page says the script must be seeded, and with which call."""
+    calls = {"accelerate.md": "set_seed(0)", "lightning.md": "L.seed_everything(0)",
+             "transformers.md": "transformers.set_seed(0)", "datasets.md": "torch.manual_seed(0)",
+             "trackers.md": "torch.manual_seed(0)"}  # fmt: skip
+    pages = sorted(p.name for p in DOCS.glob("*.md") if p.name != "compared.md")
+    assert pages == sorted(calls), pages
+    for page, call in calls.items():
+        text = " ".join((DOCS / page).read_text(encoding="utf-8").split())
+        assert "from OS entropy in every process" in text, page
+        assert "seed the script" in text.lower() and call in text, page
+
+
 def test_the_accelerate_recipe_resumes_exactly_after_a_stop_at_an_epoch_end(tmp_path):
     """Stopped at step 16, the last step of epoch 1: the epoch-end evaluation runs before
     the save, the resumed run starts epoch 2 (``starting_epoch`` from the loader) with
