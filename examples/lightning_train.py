@@ -47,11 +47,11 @@ class Regressor(L.LightningModule):
         x = torch.randn(512, 8, generator=g)
         y = torch.sin(x).sum(dim=1, keepdim=True) + 0.5 * x[:, :1] * x[:, 1:2]
         data = TensorDataset(x, y)
-        # A fresh permutation every epoch (Lightning calls set_epoch), each rank its share.
-        sampler = DistributedSampler(
-            data, num_replicas=self.trainer.world_size, rank=self.trainer.global_rank,
-            shuffle=True, seed=7,
-        )  # fmt: skip
+        # A fresh permutation every epoch (Lightning calls set_epoch), each data-parallel
+        # rank its share: Lightning's data-parallel rank and size (under tensor parallelism
+        # not the global ones: a tensor-parallel group must see the same batches).
+        shard = self.trainer.distributed_sampler_kwargs or {"num_replicas": 1, "rank": 0}
+        sampler = DistributedSampler(data, **shard, shuffle=True, seed=7)
         return StatefulDataLoader(data, batch_size=16, sampler=sampler)
 
 

@@ -77,6 +77,24 @@ def test_resume_test_compares_the_non_tensor_state(tmp_path):
     ), result["cause"]
 
 
+def test_resume_test_tells_an_unseeded_script_to_seed(tmp_path):
+    """Issue 36, item 10: a script that never seeds torch (torch 2.13 starts its generator
+    from OS entropy in every process) differs from step 1. The cause line said "the
+    training itself is not deterministic" and the RNG note that torch starts from a fixed
+    seed; now it says the script is not seeded and how to seed it, per framework."""
+    done = _unbroken("resume-test", "--stop-at", "8", "--workdir", tmp_path / "w",
+                     "--parallel", "--", sys.executable, CASES, "{dir}", "--steps", "12",
+                     "--unseeded")  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    (cause,) = [line for line in done.stdout.splitlines() if line.startswith("  cause: ")]
+    assert "before any resume: the script is not seeded" in cause, cause
+    assert "differ already in the checkpoints of step 4, saved before any resume" in cause
+    for call in ("torch.manual_seed(0)", "lightning.seed_everything(0)",
+                 "transformers.set_seed(0)", "accelerate.utils.set_seed(0)"):  # fmt: skip
+        assert call in cause, call
+    assert "fixed seed" not in done.stdout and "not deterministic" not in cause
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [(["--stop-at", "3", "--", "python", "train.py"], "must contain {dir}"),

@@ -190,9 +190,11 @@ def _run(
     extra_draw: bool = False,
     seed: int = 0,
     steps: int = 4,
+    saves: tuple[int, ...] = (),
 ) -> None:
     """A tiny in-process training run with tracked losses; stopped at ``stop`` and resumed
-    if given; ``extra_draw`` draws once more from torch's RNG before the last save."""
+    if given; ``extra_draw`` draws once more from torch's RNG before the last save; a
+    checkpoint at the end of each run and at each step of ``saves``."""
     from conftest import Problem
 
     for start, end in ((0, stop), (stop, steps)) if stop else ((0, steps),):
@@ -201,6 +203,8 @@ def _run(
         ckpt.restore()
         for step in range(start + 1, end + 1):
             ckpt.track(step, loss=p.step())
+            if step in saves and step != end:
+                ckpt.save(step)
         if extra_draw and end == steps:
             torch.rand(1)  # as iter(DataLoader) does with torch's global generator
         ckpt.save(end)
@@ -233,19 +237,32 @@ def test_report_across_world_sizes_does_not_contradict_itself(tmp_path):
 
 
 def test_rng_note_does_not_blame_seeding_for_torch(tmp_path):
-    """torch's generator starts from a fixed seed: a final difference in it (one more draw
-    after the resume, every metric identical) is explained as such, not as "a generator
-    the script does not seed", and is a note, not a health-check warning."""
-    _run(tmp_path / "straight")
+    """torch's generator was the same in both runs before the resume (both kept step 2):
+    a final difference in it (one more draw after the resume, every metric identical) is
+    explained as such, not as "a generator the script does not seed", and is a note, not
+    a health-check warning. Without a checkpoint of both runs before the resume, the note
+    names both possibilities and never says torch starts from a fixed seed: torch 2.13
+    starts it from OS entropy in every process (issue 36, item 10)."""
+    _run(tmp_path / "straight", saves=(2,))
     _run(tmp_path / "resumed", stop=2, extra_draw=True)
     result = compare(tmp_path / "straight", tmp_path / "resumed", stop_at=2)
     assert result.passed and result.warnings == []
     assert len(result.notes) == 1, result.notes
     note = result.notes[0]
-    assert note.startswith("final RNG state differs (torch CPU): torch's generators start ")
+    assert note.startswith(
+        "final RNG state differs (torch CPU): the same in both runs at step 2, before any "
+        "resume, so after the resume something drew from them a different number of times"
+    ), note
     assert "does not seed" not in note and "harmless only if" in note
     assert f"note: {note}" in str(result)
     assert "identical, except the RNG state of torch CPU (see the note)" in str(result)
+    _run(tmp_path / "straight-end")  # kept only its final checkpoint
+    (blind,) = compare(tmp_path / "straight-end", tmp_path / "resumed", stop_at=2).notes
+    assert blind.startswith(
+        "final RNG state differs (torch CPU): no checkpoint of both runs from before the "
+        "resume shows whether they started alike. Either the script does not seed them"
+    ), blind
+    assert "torch.manual_seed(0)" in blind and "fixed seed" not in blind
 
 
 RENDEZVOUS = """

@@ -226,6 +226,63 @@ def test_a_bug_of_the_second_resume_is_named(straight, tmp_path):
     assert "stopped and resumed at steps 2, 4" in str(result)
 
 
+def test_the_cause_names_the_second_resume_and_repeats_its_saved_warning(straight, tmp_path):
+    """Issue 36, item 10: with several stops, the cause line names the resume after which
+    the first difference came (the 2nd, from step 4) and repeats the warning the
+    checkpoint it restored was saved with (its manifest's ``save_warnings``), not the
+    1st resume's. Before, the cause said neither the warning nor, read alone, why."""
+    seen = _train(tmp_path / "two", stops=[2, 4], on_resume=_reseed_on_second)
+    seen[2] = {**seen[2], "save_warnings": ["warned at step 2"]}
+    seen[4] = {**seen[4], "save_warnings": ["3 parameters hold gradients", "and more"]}
+    result = compare(straight, tmp_path / "two", stop_at=[2, 4], checkpoints=seen)
+    assert result.first_difference_resume == 2
+    assert "after the 2nd resume, from step 4" in result.cause, result.cause
+    assert result.cause.endswith(
+        "The checkpoint of step 4 that this resume restored was saved with warnings: "
+        '"3 parameters hold gradients"; "and more"'
+    ), result.cause
+    assert "warned at step 2" not in result.cause
+
+
+def test_a_cause_without_saved_evidence_still_names_the_resume(straight, tmp_path):
+    """Issue 36, item 10: state the checkpoints do not hold goes wrong after the 2nd
+    resume only. "No evidence in the saved state" now also names the resume after which
+    the first difference came, and the warning its checkpoint was saved with."""
+    outside = {"value": 0.0}
+
+    def lose_outside(launch, p, progress):
+        if launch == 2:
+            outside["value"] = 1.0  # state the Checkpointer is not given, changed
+
+    bounds = {"a": (), "b": (2, 4)}
+    seen: dict[int, dict] = {}
+    for name, stops in bounds.items():
+        outside["value"] = 0.0
+        folder = tmp_path / name
+        for launch, (start, end) in enumerate(zip([0, *stops], [*stops, 6], strict=True)):
+            p = Problem()
+            ckpt = p.checkpointer(folder, keep_last=None)
+            assert ckpt.restore().step == start
+            if launch:
+                lose_outside(launch, p, None)
+            for step in range(start + 1, end + 1):
+                ckpt.track(step, loss=p.step(), outside=outside["value"])
+                if step % 2 == 0:
+                    ckpt.save(step)
+            ckpt.close()
+    for step in (2, 4, 6):
+        seen[step] = manifest.read(tmp_path / "b" / f"step_{step:08d}")
+    seen[4] = {**seen[4], "save_warnings": ["the save knew"]}
+    result = compare(tmp_path / "a", tmp_path / "b", stop_at=[2, 4], checkpoints=seen)
+    assert result.first_difference_step == 5 and not result.state_differences
+    assert result.cause.startswith("no evidence in the saved state"), result.cause
+    assert result.cause.endswith(
+        "; the first difference came at step 5, after the 2nd resume, from step 4. The "
+        'checkpoint of step 4 that this resume restored was saved with a warning: "the '
+        'save knew"'
+    ), result.cause
+
+
 # 4. A cause only from evidence ----------------------------------------------------------
 
 
@@ -253,6 +310,46 @@ def test_training_that_differs_before_the_stop_is_not_blamed_on_the_rng(straight
         "the runs differ already at step 1 (metric 'loss'), before any resume"
     )
     assert not any("likely cause" in n for n in result.notes), result.notes
+
+
+def test_an_unseeded_run_is_told_to_seed_the_script(straight, tmp_path):
+    """Issue 36, item 10: runs whose generators differ already in the checkpoints saved
+    before any resume (as an unseeded script's do under torch 2.13, which starts torch's
+    generator from OS entropy in every process) are told to seed the script, with each
+    framework's call; the final RNG note no longer says torch starts from a fixed seed."""
+    _train(tmp_path / "r", stops=[4], seed=1)
+    result = compare(straight, tmp_path / "r", stop_at=4)
+    assert result.cause.startswith(
+        "the runs differ already at step 1 (metric 'loss'), before any resume: the script "
+        "is not seeded (or seeded differently in each run): the random generators (torch "
+        "CPU) differ already in the checkpoints of step 2, saved before any resume"
+    ), result.cause
+    for call in ("torch.manual_seed(0)", "lightning.seed_everything(0)",
+                 "transformers.set_seed(0)", "accelerate.utils.set_seed(0)"):  # fmt: skip
+        assert call in result.cause, call
+    assert not any("fixed seed" in n for n in result.notes), result.notes
+
+
+def test_seeded_runs_that_differ_before_the_stop_are_not_told_to_seed(straight, tmp_path):
+    """Every generator the same before the resume, a metric not: not the seeding, the
+    training is not deterministic (issue 36, item 10: the seed advice only on evidence)."""
+    for folder, noise in ((tmp_path / "a", 0.0), (tmp_path / "b", 1.0)):
+        for start, end in ((0, 4), (4, 6)) if noise else ((0, 6),):
+            p = Problem()
+            ckpt = p.checkpointer(folder, keep_last=None)
+            ckpt.restore()
+            for step in range(start + 1, end + 1):
+                ckpt.track(step, loss=p.step(), timing=noise)  # a value outside the state
+                if step % 2 == 0:
+                    ckpt.save(step)
+            ckpt.close()
+    result = compare(tmp_path / "a", tmp_path / "b", stop_at=4)
+    assert result.cause.startswith(
+        "the runs differ already at step 1 (metric 'timing'), before any resume, though "
+        "every random generator was the same in both runs at step 2: the training itself "
+        "is not deterministic"
+    ), result.cause
+    assert "seed the script" not in result.cause
 
 
 def test_no_evidence_is_said_rather_than_guessed(straight, tmp_path):

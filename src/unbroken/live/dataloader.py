@@ -182,8 +182,8 @@ def _buffer_left_out(label: str, kind: str) -> str:
         "(.shuffle(buffer_size=...)); datasets' state_dict() keeps the stream's position but "
         "not the buffer's content, so a resume drops up to buffer_size examples and shuffles "
         "the rest differently: not exact. Shuffle with a buffer that is saved with the "
-        f"position (the ShuffleBuffer recipe in {DATASETS_PAGE}), or shuffle a map-style "
-        "Dataset with the loader's shuffle=True"
+        f"position (unbroken.integrations.datasets.ShuffleBuffer, {DATASETS_PAGE}), or "
+        "shuffle a map-style Dataset with the loader's shuffle=True"
     )
 
 

@@ -244,7 +244,7 @@ def compare(
     if first_step is not None:
         result.first_difference_resume = sum(1 for k in stops if k < first_step)
     if ev is not None and not passed and not_resumed is None:
-        cause = likely_cause(ev, a, b)
+        cause = likely_cause(ev, a, b, first_step)
         result.cause = cause.text
         if result.first_difference_resume is None and cause.resume:
             result.first_difference_resume = cause.resume

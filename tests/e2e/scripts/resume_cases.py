@@ -11,7 +11,8 @@ through (each flag is one case; without flags it resumes exactly).
 --reseed-on-resume-from K
                        re-seeds torch when it resumes from step K only: with stops at an
                        earlier step and at K, a bug of the second resume alone
---unseeded             seeds torch from OS entropy: any two runs differ from the first step
+--unseeded             does not seed torch (torch >= 2.13 starts its generator from OS
+                       entropy in every process): any two runs differ from the first step
 
 Every checkpoint is kept (keep_last=None), so each stop step has a straight-run
 checkpoint to compare with.
@@ -82,9 +83,7 @@ def main() -> None:
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # a fixed reduction order whatever the machine's load
-    if args.unseeded:
-        torch.seed()
-    else:
+    if not args.unseeded:
         torch.manual_seed(0)
     g = torch.Generator().manual_seed(1234)  # the data: the same in every run
     x = torch.randn(256, 8, generator=g)
