@@ -45,6 +45,7 @@ from .posix import SAVE_FIX as _FIX
 from .posix import fsync_dir, writing
 
 _KEPT = "free space, or lower keep_last"  # a removal that failed: the step stays listed
+_RELISTS = 10  # listings of one marks() while saves keep renaming the folders listed
 
 
 class LocalMedium:
@@ -75,17 +76,27 @@ class LocalMedium:
     def marks(self) -> dict[int, str]:
         """Committed steps, each with its manifest's identity (inode, size, modification
         time): every commit writes a new manifest, and renames (retiring a step, putting
-        it back) keep it."""
-        try:
-            names = os.listdir(self.root)
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
-        found = {}
-        for name in names:
-            step = step_of(name)
-            mark = None if step is None else _manifest_mark(self.root / name)
-            if mark is not None:
-                found[step] = mark
+        it back) keep it.
+
+        A folder listed and gone before its manifest is looked at was pruned, retired or
+        replaced meanwhile, and the save that did it committed its new step first, after
+        the listing: the folder is listed again, so that a reader racing a pruning writer
+        sees the new step or the old one, never none."""
+        for _attempt in range(_RELISTS):
+            try:
+                names = os.listdir(self.root)
+            except (FileNotFoundError, NotADirectoryError):
+                return {}
+            found, stale = {}, False
+            for name in names:
+                step = step_of(name)
+                mark = None if step is None else _manifest_mark(self.root / name)
+                if mark is not None:
+                    found[step] = mark
+                elif step is not None and not os.path.lexists(self.root / name):
+                    stale = True
+            if not stale:
+                break
         return found
 
     def mark(self, folder: LocalPath) -> str | None:
