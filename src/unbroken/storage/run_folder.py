@@ -227,8 +227,12 @@ class RunFolder:
                     break
                 except CheckpointError:
                     # A reader that found the step unlisted put the old copy back: go
-                    # again. Anything else there is another save's commit: refused.
-                    if old is None or self._committed_copy(final) != old:
+                    # again. Anything else there is another save's commit: refused,
+                    # naming the other job where its manifest tells.
+                    now = self._committed_copy(final)
+                    if old is None or now != old:
+                        if now:
+                            self._refuse_other(final, step, now, other_writer)
                         raise
                     aside = None
             else:
