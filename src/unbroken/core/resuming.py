@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.folder_check import check_folder
+from ..format.manifest import NotAManifestError
 from ..live import probe
 from ..live.state import Component
 from ..report import RestoreReport
@@ -115,6 +116,7 @@ def resume(
         )
         return Resumed(report)
     request = restoring.RestoreRequest(reset, skip, probe_fn, model)
+    damaged: list[tuple[int, str]] = []  # (step, why), newest first
     for chosen in candidates:
         folder = ckdir.step_path(chosen)
         garbage: str | None = None
@@ -126,20 +128,25 @@ def resume(
             restored = restoring.restore(folder, doc, components, request)
             report = restored.report
         except CorruptCheckpointError as exc:
-            if candidates.relisted(garbage=bool(garbage)):  # pruned or re-saved meanwhile
+            junk = bool(garbage) or isinstance(exc, NotAManifestError)
+            if candidates.relisted(garbage=junk):  # pruned or re-saved meanwhile
                 continue
             # Damage is found before any live object is touched, so an older checkpoint
             # can be tried. An explicitly requested step never falls back.
             if step is not None:
                 raise
-            skipped.append(f"skipped the damaged checkpoint of step {chosen}: {exc}")
+            damaged.append((chosen, str(exc)))
             if not candidates:
                 raise CorruptCheckpointError(
-                    f"no committed checkpoint in {ckdir.root} is sound: " + "; ".join(skipped)
+                    f"no committed checkpoint in {ckdir.root} is sound: "
+                    + "; ".join(skipped + skipped_text(damaged, ckdir.root))
                 ) from exc
-            logger.warning("checkpoint of step %d is damaged, trying an older one", chosen)
+            if len(damaged) <= _SHOWN:  # the rest in one line, once one is sound
+                logger.warning("checkpoint of step %d is damaged, trying an older one", chosen)
             continue
-        report.warnings[:0] = skipped + notes
+        if len(damaged) > _SHOWN:
+            logger.warning("%s", skipped_text(damaged, ckdir.root)[-1])
+        report.warnings[:0] = skipped + skipped_text(damaged, ckdir.root) + notes
         report.warnings.extend(  # what its save found (run/idle_optimizers.py)
             f"the checkpoint of step {chosen} was saved with a warning: {w}"
             for w in doc.get("save_warnings") or []
@@ -147,6 +154,23 @@ def resume(
         report = dataclasses.replace(report, searched=str(ckdir.root))
         return Resumed(report, doc, chosen, restored.installed, restored.algorithm)
     raise AssertionError("unreachable")
+
+
+def skipped_text(damaged: list[tuple[int, str]], root: Location) -> list[str]:
+    """The report's lines for the damaged checkpoints a restore skipped, (step, why) newest
+    first: each of the first few, then one line for the rest (a prefix holding 1,000 junk
+    newer ``step_*`` folders gives six lines, not a thousand)."""
+    lines = [f"skipped the damaged checkpoint of step {s}: {why}" for s, why in damaged[:_SHOWN]]
+    rest = damaged[_SHOWN:]
+    if rest:
+        junk = sum("is not an unbroken manifest" in why for _, why in rest)
+        steps = sorted(s for s, _ in rest)
+        lines.append(
+            f"skipped {len(rest)} more damaged checkpoint(s), steps {steps[0]} to "
+            f"{steps[-1]} ({junk} of them hold no unbroken manifest at all): `unbroken "
+            f"inspect {root}` lists each with its reason; remove the ones that are junk"
+        )
+    return lines
 
 
 def read_manifest(folder: Location) -> tuple[dict[str, Any], list[str]]:
