@@ -118,7 +118,7 @@ def resume(
     request = restoring.RestoreRequest(reset, skip, probe_fn, model)
     damaged: list[tuple[int, str]] = []  # (step, why), newest first
     for chosen in candidates:
-        folder = ckdir.step_path(chosen)
+        folder = candidates.folder(chosen)
         garbage: str | None = None
         try:
             garbage = collective.on_rank0(functools.partial(not_a_manifest, folder))
@@ -260,7 +260,7 @@ class Candidates:
     def __init__(self, ckdir: CheckpointDir, step: int | None) -> None:
         self._ckdir, self._step = ckdir, step
         self._pending = candidate_steps(ckdir, step)
-        self._marks = self._list_marks()
+        self._marks, self._names = self._list_copies()
         self._current: int | None = None
         self._damaged: set[int] = set()
         self._relists = 0
@@ -298,7 +298,7 @@ class Candidates:
         self._relists += 1
         listed = candidate_steps(self._ckdir, self._step)
         self._pending = [s for s in listed if s not in self._damaged]
-        self._marks = self._list_marks()
+        self._marks, self._names = self._list_copies()
         if not self._pending:
             raise CheckpointNotFoundError(
                 f"the checkpoints in {self._ckdir.root} were removed while being read"
@@ -307,11 +307,19 @@ class Candidates:
         logger.info("step %d vanished while being read; steps listed again", self._current)
         return True
 
-    def _list_marks(self) -> dict[int, str]:
-        """Rank 0's marks of the committed steps, from one listing; collective."""
+    def folder(self, step: int) -> Location:
+        """Where the checkpoint of ``step`` is read: its step folder, or the copy a
+        re-save that died set aside (``CheckpointDir.step_copies``)."""
+        name = self._names.get(step)
+        return self._ckdir.step_path(step) if name is None else self._ckdir.root / name
+
+    def _list_copies(self) -> tuple[dict[int, str], dict[int, str]]:
+        """Rank 0's marks of the committed steps and the names of the folders they are
+        read from, from one listing; collective."""
         if not self._pending:
-            return {}
-        return collective.on_rank0(self._ckdir.step_marks) or {}
+            return {}, {}
+        copies = collective.on_rank0(self._ckdir.step_copies) or {}
+        return {s: c[1] for s, c in copies.items()}, {s: c[0] for s, c in copies.items()}
 
     def _vanished(self, step: int) -> bool:
         """Whether ``step`` stopped being the checkpoint listed before it was read
