@@ -175,5 +175,6 @@ def test_an_upload_aborted_by_the_other_job_names_the_conflict(s3, monkeypatch):
     model_a, error = _race_in_upload(s3, monkeypatch, before_part=1)
     assert "aborted by another process" in error and "two jobs must not share" in error, error
     assert "check the store" not in error, error
+    assert "was committed meanwhile by another save" in error, error  # where to look
     assert checkpoint_dir(s3).steps() == [5]
     _intact(s3, model_a)
