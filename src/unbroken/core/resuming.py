@@ -186,8 +186,9 @@ def read_manifest(folder: Location) -> tuple[dict[str, Any], list[str]]:
 
 def not_a_manifest(folder: Location) -> str | None:
     """Why ``folder``'s manifest is garbage, judged by its first bytes (one small read:
-    every manifest is a JSON object), or None (it may be one: read it whole). So junk
-    ``step_*/manifest.json`` keys cost one request each, however large they are."""
+    every manifest is a JSON object of more than ``_HEAD`` bytes), or None (it may be
+    one: read it whole). So junk ``step_*/manifest.json`` keys that do not begin like a
+    manifest cost one request each, however large they are."""
     path = folder / MANIFEST
     try:
         reader = path.open_chunks()
@@ -201,6 +202,8 @@ def not_a_manifest(folder: Location) -> str | None:
     start = bytes(head[:got]).lstrip(b" \t\r\n")
     if start and not start.startswith(b"{"):
         return f"{path} is not an unbroken manifest (it is not a JSON object); it is damaged"
+    if start and got < _HEAD:  # every manifest names its format and checksum: far more
+        return f"{path} is not an unbroken manifest ({got} bytes: too short); it is damaged"
     return None
 
 
