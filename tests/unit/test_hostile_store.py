@@ -85,10 +85,59 @@ def test_junk_newer_steps_cost_one_small_read_each(counted):
     report = ub.Checkpointer(url, model=fresh).restore()
     assert report.step == 5 and report.verified, report
     assert torch.equal(fresh.weight, model.weight)
-    assert sum("damaged checkpoint of step 9999" in w for w in report.warnings) == JUNK
+    assert sum("damaged checkpoint of step 9999" in w for w in report.warnings) == 5
+    assert f"skipped {JUNK - 5} more damaged checkpoint(s)" in report.warnings[5]
     per_key = collections.Counter()
     for (_, key), n in counted.items():
         if "/step_9999" in key:
             per_key[key.split("/step_")[1][:8]] += n
     assert len(per_key) == JUNK and max(per_key.values()) == 1, per_key.most_common(3)
     assert sum(counted.values()) <= JUNK + 40, sum(counted.values())
+
+
+FAKES = 1000
+FAKE_BODIES = [  # (body, most requests it may cost)
+    (b"garbage " * 20, 1),  # not JSON
+    (b'{"format": "unbroken-checkpoint", "step": ', 1),  # cut off, shorter than any manifest
+    (b"{}", 1),  # JSON, but no manifest
+    (b'{"format": "unbroken-checkpoint", "format_version": 1, "tensors": {"model/w": {', 4),
+    (b'{"format": "unbroken-checkpoint", "format_version": 1, "step": 1}', 6),  # checksum
+]
+
+
+def test_a_thousand_fake_newer_manifests_cost_bounded_work_and_one_summary(counted):
+    """Issue 36, item 16 (b): 1,000 fake newer step manifests (garbage, unparsable JSON,
+    JSON that is no manifest, a manifest failing its checksum) cost minutes before the
+    restore reached the sound step: each JSON-looking one was read three times, its folder
+    listed at each read and once more to ask whether it vanished; and each left its own
+    warning. Now one shorter than any manifest costs its first small read alone, longer
+    junk is read at most twice and its folder listed once, and the report names the
+    first few and sums up the rest in one line."""
+    url = f"memory://ub-hostile/{uuid.uuid4().hex[:8]}/run"
+    model = _saved(url)
+    for i in range(FAKES):
+        _write(url, f"step_{99990000 + i:08d}/manifest.json", FAKE_BODIES[i % len(FAKE_BODIES)][0])
+    counted.clear()
+    torch.manual_seed(1)
+    fresh = torch.nn.Linear(16, 16)
+    report = ub.Checkpointer(url, model=fresh).restore()
+    assert report.step == 5 and report.verified, report
+    assert torch.equal(fresh.weight, model.weight)
+    per_step: collections.Counter = collections.Counter()
+    listings: collections.Counter = collections.Counter()
+    for (method, key), n in counted.items():
+        if "/step_9999" in key:
+            fake = int(key.split("/step_")[1][:8]) - 99990000
+            per_step[fake] += n
+            if method == "listing":
+                listings[fake] += n
+    assert len(per_step) == FAKES
+    for kind, (_, most) in enumerate(FAKE_BODIES):  # the worst of each kind of fake
+        worst = max(per_step[i] for i in range(kind, FAKES, len(FAKE_BODIES)))
+        assert worst <= most, (kind, worst)
+    assert max(listings.values()) <= 2, listings.most_common(3)
+    root_listings = sum(n for (m, k), n in counted.items() if m == "listing" and "/step_" not in k)
+    assert root_listings <= 10, root_listings
+    damaged = [w for w in report.warnings if "damaged checkpoint" in w]
+    assert len(damaged) == 6, damaged
+    assert f"skipped {FAKES - 5} more damaged checkpoint(s), steps 99990000 to" in damaged[-1]

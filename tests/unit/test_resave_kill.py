@@ -1,6 +1,7 @@
 """A job killed while it re-saves a committed step (between setting the old copy aside
-and committing the new one) loses nothing: the next ``restore()`` puts the old copy
-back, restores it verified, and leaves the folder healed. On S3 (moto on 127.0.0.1) and
+and committing the new one) loses nothing: until a restore puts the old copy back, every
+reader lists the step and reads that copy; the next ``restore()`` puts it back, restores
+it verified, and leaves the folder healed. On S3 (moto on 127.0.0.1) and
 on a local disk whose file system cannot exchange two folders atomically.
 """
 
@@ -81,12 +82,34 @@ def _restores_the_old_copy(url: str) -> None:
     assert not [n for n in ckdir.listdir() if n.startswith(".replaced-")], ckdir.listdir()
 
 
+def _listed_before_any_restore(url: str) -> None:
+    """Issue 36, item 16 (a): before any restore puts the old copy back, every reader
+    lists step 5 and reads that copy, and none of them changes the folder."""
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(8, 8)
+    ckdir = checkpoint_dir(url)
+    before = ckdir.listdir()
+    assert ckdir.steps() == [5]
+    ckpt = ub.Checkpointer(url, model=torch.nn.Linear(8, 8))
+    assert ckpt.steps() == [5] and ckpt.latest_step() == 5
+    run = ub.inspect_checkpoint(url)
+    assert [(c.step, c.error) for c in run.checkpoints] == [(5, None)], run
+    detail = ub.inspect_checkpoint(url, step=5)
+    assert detail.step == 5
+    checked = ub.verify_checkpoint(url)
+    assert checked.ok and [c.step for c in checked.checkpoints] == [5], checked
+    weight = next(t for t in detail.tensors if t.key == "model/weight")
+    assert weight.shape == list(saved.weight.shape)
+    assert ckdir.listdir() == before  # read-only: nothing was put back by a reader
+
+
 def test_kill_during_a_re_save_on_s3_keeps_the_step(server):
     """Guards: a kill between moving the old copy of a step aside and committing the new
     one on a store left the step unlisted; the relaunch's restore() started fresh."""
     with server.environment():
         url = f"s3://ckpts/{uuid.uuid4().hex[:8]}/run"
         _killed_resave(url, "store")
+        _listed_before_any_restore(url)
         _restores_the_old_copy(url)
 
 
@@ -96,6 +119,7 @@ def test_kill_during_a_re_save_on_disk_keeps_the_step(tmp_path):
     url = str(tmp_path / "run")
     _killed_resave(url, "disk")
     assert [n for n in os.listdir(url) if n.startswith(".replaced-")]
+    _listed_before_any_restore(url)
     _restores_the_old_copy(url)
 
 

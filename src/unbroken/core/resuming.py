@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from ..format.folder_check import check_folder
+from ..format.manifest import NotAManifestError
 from ..live import probe
 from ..live.state import Component
 from ..report import RestoreReport
@@ -115,8 +116,9 @@ def resume(
         )
         return Resumed(report)
     request = restoring.RestoreRequest(reset, skip, probe_fn, model)
+    damaged: list[tuple[int, str]] = []  # (step, why), newest first
     for chosen in candidates:
-        folder = ckdir.step_path(chosen)
+        folder = candidates.folder(chosen)
         garbage: str | None = None
         try:
             garbage = collective.on_rank0(functools.partial(not_a_manifest, folder))
@@ -126,20 +128,25 @@ def resume(
             restored = restoring.restore(folder, doc, components, request)
             report = restored.report
         except CorruptCheckpointError as exc:
-            if candidates.relisted(garbage=bool(garbage)):  # pruned or re-saved meanwhile
+            junk = bool(garbage) or isinstance(exc, NotAManifestError)
+            if candidates.relisted(garbage=junk):  # pruned or re-saved meanwhile
                 continue
             # Damage is found before any live object is touched, so an older checkpoint
             # can be tried. An explicitly requested step never falls back.
             if step is not None:
                 raise
-            skipped.append(f"skipped the damaged checkpoint of step {chosen}: {exc}")
+            damaged.append((chosen, str(exc)))
             if not candidates:
                 raise CorruptCheckpointError(
-                    f"no committed checkpoint in {ckdir.root} is sound: " + "; ".join(skipped)
+                    f"no committed checkpoint in {ckdir.root} is sound: "
+                    + "; ".join(skipped + skipped_text(damaged, ckdir.root))
                 ) from exc
-            logger.warning("checkpoint of step %d is damaged, trying an older one", chosen)
+            if len(damaged) <= _SHOWN:  # the rest in one line, once one is sound
+                logger.warning("checkpoint of step %d is damaged, trying an older one", chosen)
             continue
-        report.warnings[:0] = skipped + notes
+        if len(damaged) > _SHOWN:
+            logger.warning("%s", skipped_text(damaged, ckdir.root)[-1])
+        report.warnings[:0] = skipped + skipped_text(damaged, ckdir.root) + notes
         report.warnings.extend(  # what its save found (run/idle_optimizers.py)
             f"the checkpoint of step {chosen} was saved with a warning: {w}"
             for w in doc.get("save_warnings") or []
@@ -147,6 +154,23 @@ def resume(
         report = dataclasses.replace(report, searched=str(ckdir.root))
         return Resumed(report, doc, chosen, restored.installed, restored.algorithm)
     raise AssertionError("unreachable")
+
+
+def skipped_text(damaged: list[tuple[int, str]], root: Location) -> list[str]:
+    """The report's lines for the damaged checkpoints a restore skipped, (step, why) newest
+    first: each of the first few, then one line for the rest (a prefix holding 1,000 junk
+    newer ``step_*`` folders gives six lines, not a thousand)."""
+    lines = [f"skipped the damaged checkpoint of step {s}: {why}" for s, why in damaged[:_SHOWN]]
+    rest = damaged[_SHOWN:]
+    if rest:
+        junk = sum("is not an unbroken manifest" in why for _, why in rest)
+        steps = sorted(s for s, _ in rest)
+        lines.append(
+            f"skipped {len(rest)} more damaged checkpoint(s), steps {steps[0]} to "
+            f"{steps[-1]} ({junk} of them hold no unbroken manifest at all): `unbroken "
+            f"inspect {root}` lists each with its reason; remove the ones that are junk"
+        )
+    return lines
 
 
 def read_manifest(folder: Location) -> tuple[dict[str, Any], list[str]]:
@@ -162,8 +186,9 @@ def read_manifest(folder: Location) -> tuple[dict[str, Any], list[str]]:
 
 def not_a_manifest(folder: Location) -> str | None:
     """Why ``folder``'s manifest is garbage, judged by its first bytes (one small read:
-    every manifest is a JSON object), or None (it may be one: read it whole). So junk
-    ``step_*/manifest.json`` keys cost one request each, however large they are."""
+    every manifest is a JSON object of more than ``_HEAD`` bytes), or None (it may be
+    one: read it whole). So junk ``step_*/manifest.json`` keys that do not begin like a
+    manifest cost one request each, however large they are."""
     path = folder / MANIFEST
     try:
         reader = path.open_chunks()
@@ -177,6 +202,8 @@ def not_a_manifest(folder: Location) -> str | None:
     start = bytes(head[:got]).lstrip(b" \t\r\n")
     if start and not start.startswith(b"{"):
         return f"{path} is not an unbroken manifest (it is not a JSON object); it is damaged"
+    if start and got < _HEAD:  # every manifest names its format and checksum: far more
+        return f"{path} is not an unbroken manifest ({got} bytes: too short); it is damaged"
     return None
 
 
@@ -236,7 +263,7 @@ class Candidates:
     def __init__(self, ckdir: CheckpointDir, step: int | None) -> None:
         self._ckdir, self._step = ckdir, step
         self._pending = candidate_steps(ckdir, step)
-        self._marks = self._list_marks()
+        self._marks, self._names = self._list_copies()
         self._current: int | None = None
         self._damaged: set[int] = set()
         self._relists = 0
@@ -274,7 +301,7 @@ class Candidates:
         self._relists += 1
         listed = candidate_steps(self._ckdir, self._step)
         self._pending = [s for s in listed if s not in self._damaged]
-        self._marks = self._list_marks()
+        self._marks, self._names = self._list_copies()
         if not self._pending:
             raise CheckpointNotFoundError(
                 f"the checkpoints in {self._ckdir.root} were removed while being read"
@@ -283,11 +310,19 @@ class Candidates:
         logger.info("step %d vanished while being read; steps listed again", self._current)
         return True
 
-    def _list_marks(self) -> dict[int, str]:
-        """Rank 0's marks of the committed steps, from one listing; collective."""
+    def folder(self, step: int) -> Location:
+        """Where the checkpoint of ``step`` is read: its step folder, or the copy a
+        re-save that died set aside (``CheckpointDir.step_copies``)."""
+        name = self._names.get(step)
+        return self._ckdir.step_path(step) if name is None else self._ckdir.root / name
+
+    def _list_copies(self) -> tuple[dict[int, str], dict[int, str]]:
+        """Rank 0's marks of the committed steps and the names of the folders they are
+        read from, from one listing; collective."""
         if not self._pending:
-            return {}
-        return collective.on_rank0(self._ckdir.step_marks) or {}
+            return {}, {}
+        copies = collective.on_rank0(self._ckdir.step_copies) or {}
+        return {s: c[1] for s, c in copies.items()}, {s: c[0] for s, c in copies.items()}
 
     def _vanished(self, step: int) -> bool:
         """Whether ``step`` stopped being the checkpoint listed before it was read

@@ -295,11 +295,20 @@ def read(directory: Location | str | os.PathLike, notes: list[str] | None = None
     """
     directory = location(directory)
     path = directory / MANIFEST
+    budget: list[tuple[int, int, int | None]] = []  # the size cap's listing: taken once
+    seen = None
     for attempt in range(1 + REREADS):  # read again where the bytes came in wrong
+        data = _read_file(path, directory, budget)
         try:
-            doc = _parse(path, _read_file(path, directory))
+            doc = _parse(path, data)
         except _ReadWrong as exc:
             wrong = exc
+            if exc.plain and data == seen:  # the same junk twice: no misread, no manifest
+                raise NotAManifestError(
+                    f"{path} {exc}, read twice alike: it is not an unbroken manifest; the "
+                    "checkpoint is damaged (or the object is not one of ours)"
+                ) from None
+            seen = data
             continue
         if attempt:
             times = "once" if attempt == 1 else f"{attempt} times"
@@ -323,15 +332,29 @@ def read(directory: Location | str | os.PathLike, notes: list[str] | None = None
     return doc
 
 
+class NotAManifestError(CorruptCheckpointError):
+    """A ``manifest.json`` whose bytes, read twice alike, are no unbroken manifest at all
+    (not JSON, or not ours): junk, never a checkpoint read wrong once nor one that a save
+    pruned meanwhile (a save never writes such bytes). Re-read no further."""
+
+
 class _ReadWrong(Exception):
-    """The manifest's bytes are not a sound manifest: read wrong once, or damaged."""
+    """The manifest's bytes are not a sound manifest: read wrong once, or damaged.
+    ``plain``: not a manifest at all (unparsable, or not ours), rather than one failing
+    its checksum."""
+
+    def __init__(self, message: str, *, plain: bool = True) -> None:
+        super().__init__(message)
+        self.plain = plain
 
 
-def _read_file(path: Location, directory: Location) -> bytes:
+def _read_file(path: Location, directory: Location, budget: list) -> bytes:
     try:
         if directory.is_link():
             raise CorruptCheckpointError(f"{directory} is a symbolic link; checkpoints never are")
-        return _read_bounded(path, directory)
+        if not budget:
+            budget.append(_shard_budget(directory))
+        return _read_bounded(path, budget[0])
     except FileNotFoundError:
         raise CorruptCheckpointError(
             f"{path} is missing: {directory} is not a committed checkpoint (a step folder "
@@ -360,7 +383,7 @@ def _parse(path: Location, text: bytes) -> dict[str, Any]:
     version = doc.get("format_version")
     newer = isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION
     if claimed != _digest(doc) and not newer:  # a newer format may digest otherwise
-        raise _ReadWrong("fails its checksum")
+        raise _ReadWrong("fails its checksum", plain=False)
     if not isinstance(version, int) or isinstance(version, bool) or newer:
         raise CorruptCheckpointError(
             f"{path} has format_version {version!r}; this unbroken reads up to "
@@ -369,10 +392,11 @@ def _parse(path: Location, text: bytes) -> dict[str, Any]:
     return doc
 
 
-def _read_bounded(path: Location, directory: Location) -> bytes:
+def _read_bounded(path: Location, budget: tuple[int, int, int | None]) -> bytes:
     """The manifest's bytes, if it is a plain file no larger than its checkpoint can
-    need (judged before its bytes are read: see ``MANIFEST_PER_FILE``)."""
-    count, held, listed = _shard_budget(directory)
+    need (judged before its bytes are read by ``budget``, the folder's
+    :func:`_shard_budget`: see ``MANIFEST_PER_FILE``)."""
+    count, held, listed = budget
     limit = _size_limit(count, held)
     try:
         if listed is not None and listed > limit:  # judged by the listing: nothing read

@@ -293,7 +293,7 @@ def _lineage_in(data: bytes) -> list[dict[str, Any]] | None:
 def _lineage_of(ckdir: CheckpointDir, step: int) -> list[dict[str, Any]] | None:
     """The lineage of committed ``step`` (its manifest read and checked), or None."""
     try:
-        lineage = manifest.read(ckdir.step_path(step)).get("lineage")
+        lineage = manifest.read(ckdir.copy_path(step)).get("lineage")
     except (OSError, CheckpointError):
         return None
     return lineage if isinstance(lineage, list) and lineage else None

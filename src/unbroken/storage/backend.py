@@ -51,9 +51,10 @@ class Medium(Protocol):
         is no such folder (on a store: no object under the prefix)."""
         ...
 
-    def marks(self) -> dict[int, str]:
-        """Every committed step (a step folder holding a manifest), each with a mark that
-        changes when it is committed again: one listing."""
+    def marks(self) -> dict[str, str]:
+        """Every folder in the root holding a manifest (a committed step folder, or a
+        copy set aside), by name, each with a mark that changes when it is committed
+        again: one listing."""
         ...
 
     def mark(self, folder: Location) -> str | None:

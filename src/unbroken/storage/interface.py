@@ -277,6 +277,16 @@ class CheckpointDir(Protocol):
         """The mark :meth:`step_marks` gives ``step`` (None: not committed)."""
         ...
 
+    def step_copies(self) -> dict[int, tuple[str, str]]:
+        """Committed steps, each with the name of the folder in the root its checkpoint
+        is read from (its step folder, or the old copy a re-save that died set aside)
+        and its mark, from one listing."""
+        ...
+
+    def copy_path(self, step: int) -> Location:
+        """The folder committed ``step`` is read from (see :meth:`step_copies`)."""
+        ...
+
     def run_lock(self) -> RunLock:
         """A new, not yet held, hold on this folder (see :class:`RunLock`)."""
         ...

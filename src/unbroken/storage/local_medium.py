@@ -39,12 +39,13 @@ from .names import (
     TRASH,
     aside_name,
     step_dir_name,
-    step_of,
 )
 from .posix import SAVE_FIX as _FIX
 from .posix import fsync_dir, writing
 
 _KEPT = "free space, or lower keep_last"  # a removal that failed: the step stays listed
+_RELISTS = 10  # listings of one marks() while saves keep renaming the folders listed
+_HOLDERS = ("step_", REPLACED)  # the folders whose manifest marks() looks at
 
 
 class LocalMedium:
@@ -72,20 +73,31 @@ class LocalMedium:
     def names(self) -> list[str]:
         return sorted(os.listdir(self.root))
 
-    def marks(self) -> dict[int, str]:
-        """Committed steps, each with its manifest's identity (inode, size, modification
-        time): every commit writes a new manifest, and renames (retiring a step, putting
-        it back) keep it."""
-        try:
-            names = os.listdir(self.root)
-        except (FileNotFoundError, NotADirectoryError):
-            return {}
-        found = {}
-        for name in names:
-            step = step_of(name)
-            mark = None if step is None else _manifest_mark(self.root / name)
-            if mark is not None:
-                found[step] = mark
+    def marks(self) -> dict[str, str]:
+        """Folders holding a manifest, each with its manifest's identity (inode, size,
+        modification time): every commit writes a new manifest, and renames (retiring a
+        step, setting it aside, putting it back) keep it.
+
+        A folder listed and gone before its manifest is looked at was pruned, retired or
+        replaced meanwhile, and the save that did it committed its new step first, after
+        the listing: the folder is listed again, so that a reader racing a pruning writer
+        sees the new step or the old one, never none."""
+        for _attempt in range(_RELISTS):
+            try:
+                names = os.listdir(self.root)
+            except (FileNotFoundError, NotADirectoryError):
+                return {}
+            found, stale = {}, False
+            for name in names:
+                if not name.startswith(_HOLDERS):
+                    continue
+                mark = _manifest_mark(self.root / name)
+                if mark is not None:
+                    found[name] = mark
+                elif not os.path.lexists(self.root / name):
+                    stale = True
+            if not stale:
+                break
         return found
 
     def mark(self, folder: LocalPath) -> str | None:

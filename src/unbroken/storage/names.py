@@ -68,9 +68,12 @@ def step_of(name: str) -> int | None:
 
 
 def folder_step(path: str | os.PathLike | Any) -> int | None:
-    """The step a folder's name says (a path, a store path or a name), or None."""
+    """The step a folder's name says (a path, a store path or a name), or None: a step
+    folder's, or that of the old copy of a re-saved step (``.replaced-step_*-<id>``),
+    which is read as the step while a re-save that died left it aside."""
     name = getattr(path, "name", None)
-    return step_of(name if isinstance(name, str) else PurePath(os.fspath(path)).name)
+    name = name if isinstance(name, str) else PurePath(os.fspath(path)).name
+    return aside_step(name, REPLACED) if name.startswith(REPLACED) else step_of(name)
 
 
 def aside_step(name: str, prefix: str) -> int | None:

@@ -14,7 +14,8 @@ between leaves the old branch, or a prefix of it, the newest, as if the save had
 started); a failed commit puts them back. Re-saving a step swaps the new copy in
 atomically where the medium can; elsewhere the old copy waits aside as
 ``.replaced-*`` until the new one is committed, and a crash in between is undone by the
-next save or restore, which puts it back. A committed copy is replaced only if the
+next save or restore, which puts it back; until then that copy is listed as the step
+and read where it is (``step_copies``), so listing and restoring agree. A committed copy is replaced only if the
 caller's rule says so (``other_writer``: storage never reads lineage). Removing a step
 unlists it at once, then one background deleter deletes its files.
 
@@ -82,13 +83,44 @@ class RunFolder:
         return self.root / step_dir_name(step)
 
     def steps(self) -> list[int]:
-        return sorted(self._backend.marks())
+        return sorted(self.step_copies())
 
     def step_marks(self) -> dict[int, str]:
-        return self._backend.marks()
+        return {step: mark for step, (_, mark) in self.step_copies().items()}
 
     def step_mark(self, step: int) -> str | None:
-        return self._backend.mark(self.step_path(step))
+        mark = self._backend.mark(self.step_path(step))
+        if mark is None:  # set aside by a re-save that died? (a listing, only then)
+            mark = self.step_copies().get(step, (None, None))[1]
+        return mark
+
+    def step_copies(self) -> dict[int, tuple[str, str]]:
+        """Every committed step: the name of the folder its checkpoint is read from, and
+        its mark (:meth:`step_marks`); one listing.
+
+        That folder is the step folder, or, where a re-save died between setting the
+        old copy aside and committing the new one, the ``.replaced-*`` copy, which is
+        the step until a save or restore puts it back: listing and restoring agree on
+        what exists, and a read-only reader changes nothing to see it."""
+        marks = self._backend.marks()
+        found = {}
+        for name, mark in marks.items():
+            step = step_of(name)
+            if step is not None:
+                found[step] = (name, mark)
+        for name, mark in sorted(marks.items()):
+            step = aside_step(name, REPLACED) if name.startswith(REPLACED) else None
+            if step is not None and step not in found:
+                found[step] = (name, mark)
+        return found
+
+    def copy_path(self, step: int) -> Location:
+        """The folder committed ``step`` is read from (:meth:`step_copies`); its step
+        folder if it is not committed."""
+        if self._backend.mark(self.step_path(step)) is not None:
+            return self.step_path(step)
+        name = self.step_copies().get(step, (None, None))[0]
+        return self.step_path(step) if name is None else self.root / name
 
     def steps_without_manifest(self) -> list[int]:
         """Steps whose ``step_*`` folder has no manifest.json, ascending: damaged (a save
@@ -227,8 +259,12 @@ class RunFolder:
                     break
                 except CheckpointError:
                     # A reader that found the step unlisted put the old copy back: go
-                    # again. Anything else there is another save's commit: refused.
-                    if old is None or self._committed_copy(final) != old:
+                    # again. Anything else there is another save's commit: refused,
+                    # naming the other job where its manifest tells.
+                    now = self._committed_copy(final)
+                    if old is None or now != old:
+                        if now:
+                            self._refuse_other(final, step, now, other_writer)
                         raise
                     aside = None
             else:

@@ -189,7 +189,11 @@ class Store:
     def abort_stale_uploads(self, prefix: str, limit: float) -> list[str]:
         """S3 keeps the parts of an upload that never completed (and bills them) until
         aborted: abort those under ``prefix/`` older than ``limit`` seconds. Returns
-        their keys."""
+        their keys.
+
+        An upload is as old as its newest part, not only as its start: some stores
+        (moto) report every upload as started years ago, and aborting another job's
+        upload in flight turns a clear conflict at its commit into a failed part."""
         if not self.is_s3:
             return []
         fs = self.fs
@@ -200,9 +204,7 @@ class Store:
             return []
         aborted = []
         for up in answer.get("Uploads", []):
-            started = up.get("Initiated")
-            age = time.time() - started.timestamp() if hasattr(started, "timestamp") else 0
-            if age >= limit:
+            if _age(up.get("Initiated")) >= limit and self._parts_age(bucket, up) >= limit:
                 with contextlib.suppress(Exception):
                     fs.call_s3(
                         "abort_multipart_upload",
@@ -212,6 +214,19 @@ class Store:
                     )
                     aborted.append(up["Key"])
         return aborted
+
+    def _parts_age(self, bucket: str, upload: dict[str, Any]) -> float:
+        """Seconds since the newest part of ``upload`` (an entry of a multipart-upload
+        listing) arrived; infinite without parts, 0 if they cannot be listed."""
+        try:
+            parts = self.fs.call_s3(
+                "list_parts", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+            ).get("Parts", [])
+        except FileNotFoundError:
+            return float("inf")  # aborted or completed meanwhile: nothing to spare
+        except Exception:
+            return 0.0  # unknown: treated as new, so never aborted early
+        return min((_age(p.get("LastModified")) for p in parts), default=float("inf"))
 
     # -- parts ----------------------------------------------------------------------
 
@@ -232,6 +247,11 @@ def _etag(info: dict[str, Any]) -> str:
         if info.get(field) is not None:
             return str(info[field])
     return str(info.get("size"))
+
+
+def _age(when: Any) -> float:
+    """Seconds since the datetime ``when``; 0 (new) if it is not one."""
+    return time.time() - when.timestamp() if hasattr(when, "timestamp") else 0.0
 
 
 def _mtime(info: dict[str, Any], now: float) -> float:

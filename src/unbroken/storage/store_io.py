@@ -20,6 +20,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
 from ..env import env_number
+from ..errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 PART_ENV = "UNBROKEN_STORE_PART_MB"
@@ -39,6 +40,8 @@ class StoreClient(Protocol):
     def call(self, doing: str, key: str, fn: Any, fix: str = "") -> Any: ...
 
     def put(self, key: str, data: bytes, *, create: bool = False) -> None: ...
+
+    def url(self, key: str) -> str: ...
 
 
 def part_size() -> int:
@@ -184,12 +187,44 @@ def _multipart(store: StoreClient, key: str, segments: list[memoryview], size: i
             )
 
         store.call("completing the upload of", key, complete)
-    except BaseException:
+    except BaseException as exc:
+        gone = isinstance(exc, Exception) and _aborted(fs, bucket, name, upload_id)
         with contextlib.suppress(Exception):
             fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=name, UploadId=upload_id)
+        if gone:
+            raise UploadAborted(_aborted_text(store.url(key))) from exc
         raise
     with contextlib.suppress(AttributeError):
         fs.invalidate_cache(key)
+
+
+class UploadAborted(CheckpointError):
+    """A multipart upload was aborted by someone else while it was sent (S3 answers its
+    parts 404 NoSuchUpload; moto 500): another job saving into or cleaning up the same
+    prefix, or a bucket rule aborting young uploads. It names the conflict, never a
+    failing store."""
+
+
+def _aborted_text(url: str) -> str:
+    return (
+        f"the upload of {url} was aborted by another process while this save sent it: "
+        "another job is saving into (or cleaning up) the same checkpoint prefix, or a "
+        "lifecycle rule of the bucket aborts uploads this young; two jobs must not share "
+        "a checkpoint prefix. Stop the other job or use another path, then save again; "
+        "nothing committed was changed"
+    )
+
+
+def _aborted(fs: Any, bucket: str, name: str, upload_id: str) -> bool:
+    """Whether the multipart upload ``upload_id`` is gone (aborted by another process);
+    False if that cannot be told."""
+    try:
+        fs.call_s3("list_parts", Bucket=bucket, Key=name, UploadId=upload_id, MaxParts=1)
+    except FileNotFoundError:
+        return True
+    except Exception as exc:  # a ClientError not translated: its code tells
+        return "NoSuchUpload" in str(exc)
+    return False
 
 
 def _s3_once(fs: Any, method: str, **kwargs: Any) -> Any:

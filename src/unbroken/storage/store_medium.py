@@ -94,15 +94,14 @@ class StoreMedium:
             raise FileNotFoundError(f"no object under {self.root}")
         return names
 
-    def marks(self) -> dict[int, str]:
-        """Committed steps, each with its manifest's identity (ETag), which a re-save
-        changes: one listing."""
+    def marks(self) -> dict[str, str]:
+        """Folders holding a manifest, each with its manifest's identity (ETag), which a
+        re-save changes: one listing."""
         found = {}
         for rel, info in self._objects().items():
             top, _, rest = rel.partition("/")
-            step = step_of(top)
-            if step is not None and rest == MANIFEST:
-                found[step] = str(info.get("etag"))
+            if rest == MANIFEST:
+                found[top] = str(info.get("etag"))
         return found
 
     def mark(self, folder: StorePath) -> str | None:

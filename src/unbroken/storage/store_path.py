@@ -32,7 +32,7 @@ from ..errors import CheckpointError
 from .interface import FileStat, Identity, TooLarge
 from .names import MANIFEST
 from .store import Store
-from .store_io import concurrency
+from .store_io import UploadAborted, concurrency
 
 INTERVAL_ENV = "UNBROKEN_STORE_METRICS_S"
 CHUNK_BYTES = 1 << 20  # a journal's object is rewritten with new lines until it holds this much
@@ -249,7 +249,15 @@ class StorePath:
         parallel parts where the store has them); nothing appears if it raises."""
         sink = _Segments()
         yield sink
-        self.store.upload(self.key, sink.segments)
+        try:
+            self.store.upload(self.key, sink.segments)
+        except UploadAborted as exc:
+            if not self.parent.has_file(MANIFEST):
+                raise
+            raise UploadAborted(
+                f"{exc}. {self.parent} was committed meanwhile by another save: `unbroken "
+                f"inspect {self.parent}` names its run"
+            ) from exc
 
 
 class ObjectJournal:

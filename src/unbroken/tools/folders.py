@@ -56,7 +56,8 @@ def locate(path: str | os.PathLike | Location, step: int | None = None) -> Locat
             "leaves one: its manifest was lost or deleted, and the checkpoint is damaged)"
         )
     ckdir = checkpoint_dir(path)
-    steps, lost = ckdir.steps(), ckdir.steps_without_manifest()
+    copies = ckdir.step_copies()
+    steps, lost = sorted(copies), ckdir.steps_without_manifest()
     if not steps:
         damaged = f"; damaged: {_lost_text(ckdir, lost)}" if lost else ""
         raise CheckpointNotFoundError(
@@ -71,7 +72,7 @@ def locate(path: str | os.PathLike | Location, step: int | None = None) -> Locat
         raise CheckpointNotFoundError(
             f"step {step} is not a committed checkpoint in {path}; committed steps: {steps}"
         )
-    return ckdir.step_path(step)
+    return ckdir.root / copies[step][0]
 
 
 def _lost_text(ckdir: CheckpointDir, steps: list[int]) -> str:
@@ -90,5 +91,7 @@ def step_folders(path: str | os.PathLike | Location, *, damaged: bool = False) -
     if is_step_folder(path):
         return [path]
     ckdir = checkpoint_dir(path)
-    steps = ckdir.steps() + (ckdir.steps_without_manifest() if damaged else [])
-    return [ckdir.step_path(s) for s in sorted(steps)]
+    folders = {s: ckdir.root / name for s, (name, _) in ckdir.step_copies().items()}
+    for s in ckdir.steps_without_manifest() if damaged else []:
+        folders.setdefault(s, ckdir.step_path(s))
+    return [folders[s] for s in sorted(folders)]

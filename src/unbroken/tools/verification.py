@@ -143,11 +143,16 @@ def _folders(path: str | os.PathLike, step: int | None, every: bool) -> list[Loc
     one and every step folder without manifest.json (damaged: its verification fails)."""
     if step is not None:
         return [locate(path, step)]
-    folders = step_folders(path, damaged=True)
-    if every:
-        return folders
-    committed = [f for f in folders if is_step_folder(f)]
-    return [f for f in folders if f == committed[-1] or not is_step_folder(f)]
+    for _attempt in range(MAX_RELISTS):
+        folders = step_folders(path, damaged=True)
+        if every:
+            return folders
+        committed = [f for f in folders if is_step_folder(f)]
+        if committed:
+            return [f for f in folders if f == committed[-1] or not is_step_folder(f)]
+        # Every step listed was pruned before it was looked at: a save committed a newer
+        # one first, which a new listing finds.
+    raise CheckpointError(f"the checkpoints in {path} changed faster than they could be listed")
 
 
 def total_bytes(folder: Location) -> int:
