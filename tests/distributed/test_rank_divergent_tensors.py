@@ -116,15 +116,20 @@ def _job(rank: int, world: int, root: str) -> dict:
     opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
     _train_ddp(ddp, opt, 0, 3, rank)
     out["ddp_at_save"] = _state(ddp.module, opt)
-    ckpt = ub.Checkpointer(f"{root}/ddp", model=ddp, optimizer=opt)
+    # The module DDP wraps, as Lightning and the HF Trainer pass it; and the DDP itself.
+    ckpt = ub.Checkpointer(f"{root}/ddp", model=ddp.module, optimizer=opt)
     ckpt.save(3)
     ckpt.close()
+    inside = ub.Checkpointer(f"{root}/ddp_inside", model=ddp, optimizer=opt)
+    inside.save(3)
+    out["ddp_inside_steps"] = inside.steps()
+    inside.close()
     out["ddp_losses"] = _train_ddp(ddp, opt, 3, 6, rank)
     out["ddp_final"] = _state(ddp.module, opt)
 
     resumed = nn.parallel.DistributedDataParallel(_ddp_model())
     opt = torch.optim.Adam(resumed.parameters(), lr=0.01)
-    report = ub.Checkpointer(f"{root}/ddp", model=resumed, optimizer=opt).restore()
+    report = ub.Checkpointer(f"{root}/ddp", model=resumed.module, optimizer=opt).restore()
     out["ddp_restored"] = _state(resumed.module, opt)
     out["ddp_report"] = report
     out["ddp_resumed_losses"] = _train_ddp(resumed, opt, 3, 6, rank)
@@ -178,7 +183,8 @@ def test_plain_tensors_that_differ_by_rank_refuse_the_save_naming_them(job):
 
 def test_ddp_broadcast_buffers_are_rank_zeros_and_resume_exactly(job):
     """Item 13: under DDP (broadcast_buffers=True) BatchNorm statistics differ by rank at a
-    save (each rank's forward updated its copy after DDP broadcast rank 0's); rank 0's,
+    save (each rank's forward updated its copy after DDP broadcast rank 0's), whether the
+    Checkpointer is given the DDP or the module it wraps; rank 0's,
     the ones every rank trains on next, are written, each tensor once (replicated ones
     stay deduplicated: no per-rank copies), every rank gets them back, and the resumed
     run matches the uninterrupted one bit for bit. Before: another rank's could be
@@ -187,6 +193,7 @@ def test_ddp_broadcast_buffers_are_rank_zeros_and_resume_exactly(job):
     zero, one = (r["ddp_at_save"]["model"] for r in results)
     assert not torch.equal(zero["1.running_mean"], one["1.running_mean"])  # the case at hand
     for rank, r in enumerate(results):
+        assert r["ddp_inside_steps"] == [3]
         assert r["ddp_report"].verified and r["ddp_report"].step == 3
         assert _equal(r["ddp_restored"]["model"], zero) == [], rank
         assert _equal(r["ddp_restored"]["optimizer"], results[0]["ddp_at_save"]["optimizer"]) == []
@@ -198,3 +205,9 @@ def test_ddp_broadcast_buffers_are_rank_zeros_and_resume_exactly(job):
         assert sum(c["length"] for c in entry["chunks"]) == one_copy, key
         if key.startswith(("model/1.running", "model/1.num_batches")):  # buffers: rank 0's
             assert all(c["file"].startswith("rank_00000") for c in entry["chunks"]), entry
+    import unbroken as ub
+
+    checked = ub.verify_checkpoint(Path(root, "ddp"))
+    assert checked.ok, [c.failures for c in checked.checkpoints]
+    shown = ub.inspect_checkpoint(Path(root, "ddp"), step=3)
+    assert "model/1.running_mean" in {t.key for t in shown.tensors}

@@ -14,8 +14,10 @@ commit, naming each tensor and which ranks hold which value. Nothing is committe
 One difference is by design: DDP (``broadcast_buffers=True``, the default) broadcasts
 rank 0's buffers at the start of every forward, and each rank's forward then updates its
 own copy (BatchNorm's running statistics), so at a save they differ, and rank 0's is the
-value every rank trains on next. Those buffers are written from rank 0 alone and not
-compared.
+value every rank trains on next. So a model's buffers are written from rank 0 (small, as
+a rule; DCP's pick would be any rank's), and those a DDP over every rank broadcasts are
+not refused when they differ. The DDP may be inside the model passed or wrap it (a
+LightningModule, a Trainer's model): it is looked for only when a buffer differs.
 
 Refused rather than saved per rank: a model's and an optimizer's tensors are restored
 keyed by their live FQNs (targets, byte exchange, the checks after install and at the
@@ -24,7 +26,8 @@ first step), which a per-rank copy would have to be mapped back to at every one 
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+import gc
+from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import Executor, Future
 
 import torch
@@ -43,23 +46,27 @@ _LISTED = 10
 
 
 class HeldHere:
-    """What this rank writes of a save's flat tensors (:attr:`to_write`: all of them but
-    DDP's broadcast buffers, which only rank 0 writes) and its 64-bit value (fingerprint,
-    dtype, shape) of each other plain tensor it holds, for :func:`refuse_differing` on
-    rank 0. Nothing is left out or computed in a single process."""
+    """What this rank writes of a save's flat tensors (:attr:`to_write`: all of them but,
+    on ranks other than 0, the models' buffers) and its 64-bit value (fingerprint, dtype,
+    shape) of each plain tensor it holds, for :func:`refuse_differing` on rank 0. Nothing
+    is left out or computed in a single process."""
 
     def __init__(
-        self, flat: Mapping[str, torch.Tensor], algorithm: str, components: list[Component]
+        self,
+        flat: Mapping[str, torch.Tensor],
+        algorithm: str,
+        components: list[Component],
+        partitioned: Collection[str],
     ) -> None:
         several = collective.world_size() > 1
-        from_rank0 = broadcast_buffer_keys(components) if several else set()
-        mine = collective.rank() == 0
-        self.to_write = {k: t for k, t in flat.items() if mine or k not in from_rank0}
-        self._plain = {
-            k: t
-            for k, t in flat.items()
-            if several and not isinstance(t, DTensor) and k not in from_rank0
+        from_rank0 = set()
+        if several and collective.rank() != 0:
+            from_rank0 = _buffer_keys(components, partitioned)
+        # A DTensor's shards are each rank's own: written where they are.
+        self.to_write = {
+            k: t for k, t in flat.items() if k not in from_rank0 or isinstance(t, DTensor)
         }
+        self._plain = {k: t for k, t in flat.items() if several and not isinstance(t, DTensor)}
         self._algorithm = algorithm
         self._rest: Future[dict[str, int]] | None = None
 
@@ -83,26 +90,71 @@ class HeldHere:
         return out
 
 
-def broadcast_buffer_keys(components: list[Component]) -> set[str]:
-    """The flat keys of the buffers that DDP broadcasts from rank 0 at every forward: those
-    of a ``DistributedDataParallel`` with ``broadcast_buffers=True`` over every rank (its
-    own group's rank 0 is global rank 0 then), less those it was told to ignore."""
-    keys: set[str] = set()
+def _model_buffers(
+    components: list[Component], partitioned: Collection[str] = ()
+) -> Iterator[tuple[str, nn.Module, nn.Module, str]]:
+    """(flat key, root module, module whose buffer it is, its name there) of each buffer
+    of every model but those split into pipeline stages (each rank holds other ones)."""
     for c in components:
-        if not isinstance(c, ModelComponent):
+        if not isinstance(c, ModelComponent) or c.name in partitioned:
             continue
         for name, root in c.models.items():
-            for at, m in root.named_modules():
-                if not _broadcasts_from_rank0(m):
-                    continue
-                prefix = f"{at}." if at else ""
-                for raw, _ in m.named_buffers():
-                    if raw.removeprefix("module.") in m.parameters_to_ignore:
-                        continue
-                    for fqn in normalized_fqns(root, prefix + raw):
+            for at, owner in root.named_modules(remove_duplicate=False):
+                for leaf, _ in owner.named_buffers(recurse=False):
+                    raw = f"{at}.{leaf}" if at else leaf
+                    for fqn in normalized_fqns(root, raw):
                         path = (fqn,) if name is None else (name, fqn)
-                        keys.add(tree.join_key(c.name, *path))
+                        yield tree.join_key(c.name, *path), root, owner, raw
+
+
+def _buffer_keys(components: list[Component], partitioned: Collection[str]) -> set[str]:
+    return {key for key, *_ in _model_buffers(components, partitioned)}
+
+
+def broadcast_buffer_keys(components: list[Component]) -> set[str]:
+    """The flat keys of the buffers a ``DistributedDataParallel`` with
+    ``broadcast_buffers=True`` over every rank (its rank 0 global rank 0) broadcasts at
+    every forward, less those it was told to ignore: inside a model, or wrapping it."""
+    keys: set[str] = set()
+    wrappers: dict[int, list[nn.parallel.DistributedDataParallel]] = {}
+    for key, root, _, raw in _model_buffers(components):
+        if id(root) not in wrappers:
+            inside = [m for m in root.modules() if _broadcasts_from_rank0(m)]
+            outside = [m for m in _wrapping(root) if _broadcasts_from_rank0(m)]
+            wrappers[id(root)] = inside + outside
+        for ddp in wrappers[id(root)]:
+            inner = raw if ddp.module is root else _inner_name(root, ddp, raw)
+            if inner is not None and inner not in ddp.parameters_to_ignore:
+                keys.add(key)
     return keys
+
+
+def _inner_name(root: nn.Module, ddp: nn.Module, raw: str) -> str | None:
+    """``raw`` (a buffer's name in ``root``) as a name within ``ddp.module``, or None
+    when the buffer is not ``ddp``'s."""
+    for at, m in root.named_modules(remove_duplicate=False):
+        prefix = f"{at}.module." if at else "module."
+        if m is ddp and raw.startswith(prefix):
+            return raw.removeprefix(prefix)
+    return None
+
+
+def _wrapping(module: nn.Module) -> Iterator[nn.Module]:
+    """The ``DistributedDataParallel`` objects whose ``module`` is ``module`` (found
+    through the garbage collector's referrers: a module does not know its wrapper)."""
+    for children in gc.get_referrers(module):
+        if not (isinstance(children, dict) and children.get("module") is module):
+            continue
+        for holder in gc.get_referrers(children):
+            owners = [holder] if isinstance(holder, nn.Module) else []
+            if isinstance(holder, dict) and holder.get("_modules") is children:
+                owners = gc.get_referrers(holder)
+            for owner in owners:
+                if (
+                    isinstance(owner, nn.parallel.DistributedDataParallel)
+                    and owner.module is module
+                ):
+                    yield owner
 
 
 def _broadcasts_from_rank0(m: nn.Module) -> bool:
@@ -128,10 +180,16 @@ def differing(held: list[dict[str, int]]) -> dict[str, list[list[int]]]:
     return {key: list(by.values()) for key, by in groups.items() if len(by) > 1}
 
 
-def refuse_differing(step: int, held: list[dict[str, int]]) -> None:
+def refuse_differing(
+    step: int, held: list[dict[str, int]], components: list[Component] | None = None
+) -> None:
     """Raise ``CheckpointError`` naming every plain tensor the ranks hold with different
-    values (sorted), the ranks that hold each value, and what to do."""
+    values (sorted), the ranks that hold each value, and what to do; DDP's broadcast
+    buffers among ``components``' models (written from rank 0) are not refused."""
     found = differing(held)
+    if found and components:
+        for key in broadcast_buffer_keys(components):
+            found.pop(key, None)
     if not found:
         return
     keys = sorted(found)

@@ -265,7 +265,7 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
         algorithm = fingerprint.ALGORITHM  # one for every tensor, recorded in the manifest
         sharded = {k: t for k, t in flat.items() if isinstance(t, DTensor)}
         jobs = [pool.submit(verify.partials, sharded, (), algorithm)]
-        held = replicas.HeldHere(flat, algorithm, request.components)
+        held = replicas.HeldHere(flat, algorithm, request.components, staged.partitioned)
 
         def written_here(keys: list[str]) -> None:
             jobs.append(pool.submit(verify.partials, {k: flat[k] for k in keys}, keys, algorithm))
@@ -275,7 +275,7 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
         try:
             with quiet_single_process():
                 dcp.save(
-                    held.to_write,  # DDP's broadcast buffers from rank 0 only
+                    held.to_write,  # the models' buffers from rank 0 only
                     storage_writer=writer,
                     planner=DefaultSavePlanner(),
                     process_group=collective.group(),
@@ -306,7 +306,7 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
 
     def commit() -> tuple[str, list[str]]:
         assert gathered is not None
-        replicas.refuse_differing(request.step, [g["held"] for g in gathered])
+        replicas.refuse_differing(request.step, [g["held"] for g in gathered], request.components)
         body = _manifest_body(request, staged, writer, gathered)
         data = manifest.encode(partial, body)
         run = request.run
