@@ -73,6 +73,17 @@ def _ddp_model() -> nn.Module:
     return nn.Sequential(nn.Linear(D, H), nn.BatchNorm1d(H), nn.ReLU(), nn.Linear(H, 1))
 
 
+class Wrapper(nn.Module):
+    """What Lightning puts between its DDP and the LightningModule."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
 def _train_ddp(ddp, opt, start: int, stop: int, rank: int) -> list[float]:
     losses = []
     for step in range(start, stop):
@@ -112,12 +123,12 @@ def _job(rank: int, world: int, root: str) -> dict:
     ckpt.close()
 
     # DDP (broadcast_buffers=True): rank 0's buffers are the ones DDP trains on next.
-    ddp = nn.parallel.DistributedDataParallel(_ddp_model())
+    ddp = nn.parallel.DistributedDataParallel(Wrapper(_ddp_model()))
     opt = torch.optim.Adam(ddp.parameters(), lr=0.01)
     _train_ddp(ddp, opt, 0, 3, rank)
-    out["ddp_at_save"] = _state(ddp.module, opt)
-    # The module DDP wraps, as Lightning and the HF Trainer pass it; and the DDP itself.
-    ckpt = ub.Checkpointer(f"{root}/ddp", model=ddp.module, optimizer=opt)
+    out["ddp_at_save"] = _state(ddp.module.inner, opt)
+    # The module inside DDP, as Lightning and the HF Trainer pass it; and the DDP itself.
+    ckpt = ub.Checkpointer(f"{root}/ddp", model=ddp.module.inner, optimizer=opt)
     ckpt.save(3)
     ckpt.close()
     inside = ub.Checkpointer(f"{root}/ddp_inside", model=ddp, optimizer=opt)
@@ -125,15 +136,15 @@ def _job(rank: int, world: int, root: str) -> dict:
     out["ddp_inside_steps"] = inside.steps()
     inside.close()
     out["ddp_losses"] = _train_ddp(ddp, opt, 3, 6, rank)
-    out["ddp_final"] = _state(ddp.module, opt)
+    out["ddp_final"] = _state(ddp.module.inner, opt)
 
-    resumed = nn.parallel.DistributedDataParallel(_ddp_model())
+    resumed = nn.parallel.DistributedDataParallel(Wrapper(_ddp_model()))
     opt = torch.optim.Adam(resumed.parameters(), lr=0.01)
-    report = ub.Checkpointer(f"{root}/ddp", model=resumed.module, optimizer=opt).restore()
-    out["ddp_restored"] = _state(resumed.module, opt)
+    report = ub.Checkpointer(f"{root}/ddp", model=resumed.module.inner, optimizer=opt).restore()
+    out["ddp_restored"] = _state(resumed.module.inner, opt)
     out["ddp_report"] = report
     out["ddp_resumed_losses"] = _train_ddp(resumed, opt, 3, 6, rank)
-    out["ddp_resumed_final"] = _state(resumed.module, opt)
+    out["ddp_resumed_final"] = _state(resumed.module.inner, opt)
     return out
 
 

@@ -114,47 +114,59 @@ def _buffer_keys(components: list[Component], partitioned: Collection[str]) -> s
 def broadcast_buffer_keys(components: list[Component]) -> set[str]:
     """The flat keys of the buffers a ``DistributedDataParallel`` with
     ``broadcast_buffers=True`` over every rank (its rank 0 global rank 0) broadcasts at
-    every forward, less those it was told to ignore: inside a model, or wrapping it."""
+    every forward, less those it was told to ignore: a DDP inside a model, or around it
+    (Lightning's DDP wraps a wrapper of the LightningModule passed)."""
     keys: set[str] = set()
-    wrappers: dict[int, list[nn.parallel.DistributedDataParallel]] = {}
+    ddps: dict[int, list[tuple[nn.Module, str]]] = {}  # root -> (DDP, root's name in it)
     for key, root, _, raw in _model_buffers(components):
-        if id(root) not in wrappers:
-            inside = [m for m in root.modules() if _broadcasts_from_rank0(m)]
-            outside = [m for m in _wrapping(root) if _broadcasts_from_rank0(m)]
-            wrappers[id(root)] = inside + outside
-        for ddp in wrappers[id(root)]:
-            inner = raw if ddp.module is root else _inner_name(root, ddp, raw)
+        if id(root) not in ddps:
+            inside = [(m, at) for at, m in root.named_modules() if _broadcasts_from_rank0(m)]
+            ddps[id(root)] = inside or [(m, "") for m in _around(root)]
+        for ddp, at in ddps[id(root)]:
+            inner = _inner_name(ddp, root, at, raw)
             if inner is not None and inner not in ddp.parameters_to_ignore:
                 keys.add(key)
     return keys
 
 
-def _inner_name(root: nn.Module, ddp: nn.Module, raw: str) -> str | None:
-    """``raw`` (a buffer's name in ``root``) as a name within ``ddp.module``, or None
-    when the buffer is not ``ddp``'s."""
-    for at, m in root.named_modules(remove_duplicate=False):
+def _inner_name(ddp: nn.Module, root: nn.Module, at: str, raw: str) -> str | None:
+    """``raw`` (a buffer's name in ``root``) as a name within ``ddp.module`` (``ddp`` is
+    at ``at`` in ``root``, or around it), or None when the buffer is not ``ddp``'s."""
+    if at or ddp is root:
         prefix = f"{at}.module." if at else "module."
-        if m is ddp and raw.startswith(prefix):
-            return raw.removeprefix(prefix)
+        return raw.removeprefix(prefix) if raw.startswith(prefix) else None
+    for name, m in ddp.module.named_modules(remove_duplicate=False):
+        if m is root:
+            return f"{name}.{raw}" if name else raw
     return None
 
 
-def _wrapping(module: nn.Module) -> Iterator[nn.Module]:
-    """The ``DistributedDataParallel`` objects whose ``module`` is ``module`` (found
-    through the garbage collector's referrers: a module does not know its wrapper)."""
+_UP = 3  # modules around a model searched for a DDP: DDP(wrapper(model)) is two
+
+
+def _around(module: nn.Module) -> list[nn.Module]:
+    """The broadcasting ``DistributedDataParallel`` objects holding ``module`` at most
+    ``_UP`` levels up, found through the garbage collector's referrers (a module does not
+    know its parents): looked for only when a buffer differs."""
+    found, level = [], [module]
+    for _ in range(_UP):
+        level = [p for m in level for p in _parents(m)]
+        found += [m for m in level if _broadcasts_from_rank0(m)]
+    return found
+
+
+def _parents(module: nn.Module) -> list[nn.Module]:
+    """The modules that hold ``module`` as a child (in their ``_modules``)."""
+    out = []
     for children in gc.get_referrers(module):
-        if not (isinstance(children, dict) and children.get("module") is module):
+        if not (isinstance(children, dict) and any(v is module for v in children.values())):
             continue
         for holder in gc.get_referrers(children):
-            owners = [holder] if isinstance(holder, nn.Module) else []
-            if isinstance(holder, dict) and holder.get("_modules") is children:
-                owners = gc.get_referrers(holder)
-            for owner in owners:
-                if (
-                    isinstance(owner, nn.parallel.DistributedDataParallel)
-                    and owner.module is module
-                ):
-                    yield owner
+            if isinstance(holder, nn.Module) and holder._modules is children:
+                out.append(holder)
+            elif isinstance(holder, dict) and holder.get("_modules") is children:
+                out += [o for o in gc.get_referrers(holder) if isinstance(o, nn.Module)]
+    return [m for m in out if m._modules is not None and module in m._modules.values()]
 
 
 def _broadcasts_from_rank0(m: nn.Module) -> bool:
