@@ -12,6 +12,7 @@ the one DDP broadcasts. Both cases share one launched job.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,14 @@ def _job(rank: int, world: int, root: str) -> dict:
     ckpt = ub.Checkpointer(f"{root}/ddp", model=ddp.module.inner, optimizer=opt)
     ckpt.save(3)
     ckpt.close()
+    from unbroken.core import replicas
+    from unbroken.live.state import ModelComponent
+
+    out["found"] = sorted(replicas.broadcast_buffer_keys([ModelComponent(ddp.module.inner)]))
+    with warnings.catch_warnings():  # torch 2.13 renames it forward_sync_buffers
+        warnings.simplefilter("ignore", FutureWarning)
+        quiet = nn.parallel.DistributedDataParallel(_ddp_model(), broadcast_buffers=False)
+    out["found_quiet"] = sorted(replicas.broadcast_buffer_keys([ModelComponent(quiet)]))
     inside = ub.Checkpointer(f"{root}/ddp_inside", model=ddp, optimizer=opt)
     inside.save(3)
     out["ddp_inside_steps"] = inside.steps()
@@ -204,6 +213,8 @@ def test_ddp_broadcast_buffers_are_rank_zeros_and_resume_exactly(job):
     zero, one = (r["ddp_at_save"]["model"] for r in results)
     assert not torch.equal(zero["1.running_mean"], one["1.running_mean"])  # the case at hand
     for rank, r in enumerate(results):
+        buffers = ["model/1.num_batches_tracked", "model/1.running_mean", "model/1.running_var"]
+        assert r["found"] == buffers and r["found_quiet"] == []  # broadcast_buffers=False
         assert r["ddp_inside_steps"] == [3]
         assert r["ddp_report"].verified and r["ddp_report"].step == 3
         assert _equal(r["ddp_restored"]["model"], zero) == [], rank
