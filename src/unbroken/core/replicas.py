@@ -17,7 +17,7 @@ own copy (BatchNorm's running statistics), so at a save they differ, and rank 0'
 value every rank trains on next. So a model's buffers are written from rank 0 (small, as
 a rule; DCP's pick would be any rank's), and those a DDP over every rank broadcasts are
 not refused when they differ. The DDP may be inside the model passed or wrap it (a
-LightningModule, a Trainer's model): it is looked for only when a buffer differs.
+LightningModule, a Trainer's model): it is looked for only when some tensor differs.
 
 Refused rather than saved per rank: a model's and an optimizer's tensors are restored
 keyed by their live FQNs (targets, byte exchange, the checks after install and at the
