@@ -229,6 +229,18 @@ def test_ddp_broadcast_buffers_are_rank_zeros_and_resume_exactly(job):
             assert all(c["file"].startswith("rank_00000") for c in entry["chunks"]), entry
     import unbroken as ub
 
+    # On one process (another world size): rank 0's statistics, verified; the per-rank
+    # RNG streams are refused unless reset.
+    single = _ddp_model()
+    alone = ub.Checkpointer(
+        Path(root, "ddp"), model=single, optimizer=torch.optim.Adam(single.parameters())
+    )
+    with pytest.raises(ub.IncompleteCheckpointError, match="'rng'"):
+        alone.restore()
+    report = alone.restore(reset={"rng"})
+    assert report.verified and report.resharded
+    assert _equal(dict(single.state_dict()), zero) == []
+    alone.close()
     checked = ub.verify_checkpoint(Path(root, "ddp"))
     assert checked.ok, [c.failures for c in checked.checkpoints]
     shown = ub.inspect_checkpoint(Path(root, "ddp"), step=3)
