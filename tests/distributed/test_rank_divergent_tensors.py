@@ -122,6 +122,14 @@ def _job(rank: int, world: int, root: str) -> dict:
         out["moe_error"] = str(exc)
     out["moe_steps"] = ckpt.steps()
     ckpt.close()
+    # The same in a background save: refused at close(), nothing committed.
+    later = ub.Checkpointer(f"{root}/moe_async", model=moe, optimizer=opt, async_save=True)
+    later.save(3)
+    try:
+        later.close()
+    except ub.CheckpointError as exc:
+        out["moe_async_error"] = str(exc)
+    out["moe_async_steps"] = later.steps()
 
     # DDP (broadcast_buffers=True): rank 0's buffers are the ones DDP trains on next.
     ddp = nn.parallel.DistributedDataParallel(Wrapper(_ddp_model()))
@@ -197,6 +205,8 @@ def test_plain_tensors_that_differ_by_rank_refuse_the_save_naming_them(job):
         for equal in ("model/shared.weight", "model/head.bias", "state/experts/step", "bn.weight"):
             assert equal not in message, (equal, message)
         assert "step 3 was not saved" in message and "Nothing was committed" in message
+        assert "model/experts (rank 0 holds one value" in r.get("moe_async_error", "")
+        assert r["moe_async_steps"] == []
         assert "broadcast_buffers=True" in message and "DTensor sharded" in message
     assert not list(Path(root, "moe").glob("step_*"))
 
