@@ -27,6 +27,7 @@ first step), which a per-rank copy would have to be mapped back to at every one 
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Collection, Iterator, Mapping
 from concurrent.futures import Executor, Future
 
@@ -142,31 +143,53 @@ def _inner_name(ddp: nn.Module, root: nn.Module, at: str, raw: str) -> str | Non
 
 
 _UP = 3  # modules around a model searched for a DDP: DDP(wrapper(model)) is two
+# root -> the DDP found around it: each gc search scans the whole heap (about 0.13 s at a
+# million objects), so one found is kept while it still holds the root.
+_FOUND: weakref.WeakKeyDictionary[nn.Module, weakref.ref[nn.Module]] = weakref.WeakKeyDictionary()
 
 
 def _around(module: nn.Module) -> list[nn.Module]:
-    """The broadcasting ``DistributedDataParallel`` objects holding ``module`` at most
-    ``_UP`` levels up, found through the garbage collector's referrers (a module does not
-    know its parents): looked for only when a buffer differs."""
-    found, level = [], [module]
+    """The broadcasting ``DistributedDataParallel`` holding ``module`` at most ``_UP``
+    levels up (the nearest), found through the garbage collector's referrers (a module
+    does not know its parents): looked for only when some tensor differs."""
+    kept = _FOUND.get(module)
+    ddp = kept() if kept is not None else None
+    if ddp is not None and any(m is module for m in ddp.modules()):
+        return [ddp] if _broadcasts_from_rank0(ddp) else []
+    level = [module]
     for _ in range(_UP):
-        level = [p for m in level for p in _parents(m)]
-        found += [m for m in level if _broadcasts_from_rank0(m)]
-    return found
+        level = _parents(level)
+        found = [m for m in level if isinstance(m, nn.parallel.DistributedDataParallel)]
+        if found:
+            _FOUND[module] = weakref.ref(found[0])
+            return [m for m in found if _broadcasts_from_rank0(m)]
+    return []
 
 
-def _parents(module: nn.Module) -> list[nn.Module]:
-    """The modules that hold ``module`` as a child (in their ``_modules``)."""
-    out = []
-    for children in gc.get_referrers(module):
-        if not (isinstance(children, dict) and any(v is module for v in children.values())):
-            continue
-        for holder in gc.get_referrers(children):
-            if isinstance(holder, nn.Module) and holder._modules is children:
-                out.append(holder)
-            elif isinstance(holder, dict) and holder.get("_modules") is children:
-                out += [o for o in gc.get_referrers(holder) if isinstance(o, nn.Module)]
-    return [m for m in out if m._modules is not None and module in m._modules.values()]
+def _parents(modules: list[nn.Module]) -> list[nn.Module]:
+    """The modules holding any of ``modules`` as a child (in their ``_modules``): three
+    scans of the heap, whatever the number of modules."""
+    if not modules:
+        return []
+    ids = {id(m) for m in modules}
+    children = [
+        d
+        for d in gc.get_referrers(*modules)
+        if isinstance(d, dict) and any(id(v) in ids for v in d.values())
+    ]
+    if not children:
+        return []
+    child_ids = {id(d) for d in children}
+    out, dicts = [], []
+    for holder in gc.get_referrers(*children):
+        if isinstance(holder, nn.Module) and id(holder._modules) in child_ids:
+            out.append(holder)
+        elif isinstance(holder, dict) and id(holder.get("_modules")) in child_ids:
+            dicts.append(holder)
+    if dicts:
+        out += [o for o in gc.get_referrers(*dicts) if isinstance(o, nn.Module)]
+    unique = {id(m): m for m in out if id(m._modules) in child_ids}
+    return list(unique.values())
 
 
 def _broadcasts_from_rank0(m: nn.Module) -> bool:
