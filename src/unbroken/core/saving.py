@@ -27,7 +27,7 @@ from ..live.components import rank_prefix
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, StatefulComponent, device_kind
 from ..storage.interface import CheckpointDir, Location
-from . import collective, verify
+from . import collective, replicas, verify
 from .staging import StagingBuffers, settle
 
 logger = logging.getLogger(__name__)
@@ -277,15 +277,17 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
         algorithm = fingerprint.ALGORITHM  # one for every tensor, recorded in the manifest
         sharded = {k: t for k, t in flat.items() if isinstance(t, DTensor)}
         jobs = [pool.submit(verify.partials, sharded, (), algorithm)]
+        held = replicas.HeldHere(flat, algorithm, request.components, staged.partitioned)
 
         def written_here(keys: list[str]) -> None:
             jobs.append(pool.submit(verify.partials, {k: flat[k] for k in keys}, keys, algorithm))
+            held.start(pool, keys)
 
         writer.on_plan = written_here
         try:
             with quiet_single_process():
                 dcp.save(
-                    flat,
+                    held.to_write,  # the models' buffers from rank 0 only
                     storage_writer=writer,
                     planner=DefaultSavePlanner(),
                     process_group=collective.group(),
@@ -295,8 +297,10 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
             raise collective.unwrap(
                 exc, f"saving step {request.step} into {partial}", partial
             ) from None
+        partials = {k: v for job in jobs for k, v in job.result().items()}
         local = {
-            "partials": {k: v for job in jobs for k, v in job.result().items()},
+            "partials": partials,
+            "held": held.values(partials),
             "fingerprint_algorithm": algorithm,
             "info": staged.info,
             "skeletons": {
@@ -315,6 +319,7 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
 
     def commit() -> tuple[str, list[str]]:
         assert gathered is not None
+        replicas.refuse_differing(request.step, [g["held"] for g in gathered], request.components)
         body = _manifest_body(request, staged, writer, gathered)
         data = manifest.encode(partial, body)
         run = request.run
