@@ -2,7 +2,8 @@
 
 docs/integrations/trackers.md's script runs as printed, in fresh processes: once straight
 to step 20, and once killed with SIGKILL right after tracking step 17 (last save: step
-10), then launched again, so it restores step 10 and recomputes steps 11 to 20. What
+10), then launched again, so it restores step 10 and recomputes steps 11 to 20. Every
+fifth step also tracks ``eval_loss`` in a second ``track()`` call (issue 36, item 3). What
 TensorBoard's event files and W&B's offline run files hold is read back with their own
 readers (TensorBoard's ``EventAccumulator``; wandb 0.31 ships no Python reader of ``.wandb`` files, so
 a small one of its LevelDB-style log is below). Bug class: a resume that logs the
@@ -39,6 +40,7 @@ from .recipes import write_recipe
 pytestmark = pytest.mark.e2e
 TOTAL, SAVED, KILLED_AFTER = 20, 10, 17
 METRICS = ("loss", "grad_norm")
+EVALUATED = [5, 10, 15, 20]  # steps that also track eval_loss, in a second call
 
 # Runs the recipe unchanged, SIGKILLing itself right after ``track`` of step N (0: never):
 # no close(), no flush, no atexit; what reached the trackers' files is all there is.
@@ -119,7 +121,8 @@ def _truth(runs: Runs) -> dict[str, list[tuple[int, float]]]:
     """The straight run's tracked values, as unbroken recorded them (exact floats)."""
     values = read_series(runs.straight / "ckpts").values
     assert [s for s, _ in values["loss"]] == list(range(1, TOTAL + 1))
-    return {name: values[name] for name in METRICS}
+    assert [s for s, _ in values["eval_loss"]] == EVALUATED
+    return {name: values[name] for name in (*METRICS, "eval_loss")}
 
 
 # TensorBoard -------------------------------------------------------------------------------
@@ -146,7 +149,7 @@ def _tb_texts(acc, tag: str) -> list[tuple[int, str]]:
     from tensorboard.util import tensor_util
 
     return [(e.step, tensor_util.make_ndarray(e.tensor_proto).item().decode())
-            for e in acc.Tensors(f"{tag}/text_summary")]  # fmt: skip
+            for e in acc.Tensors(tag)]  # fmt: skip
 
 
 def _raw_steps(event_file: Path, tag: str) -> list[int]:
@@ -158,25 +161,34 @@ def _raw_steps(event_file: Path, tag: str) -> list[int]:
 
 
 def test_tensorboard_shows_every_step_once_with_the_straight_runs_values(runs):
-    """Steps 1..20 once each, every value the straight run's bit for bit (float64). The
-    killed job's file does hold steps 11..17, and the relaunch's holds them again: only
-    the relaunch's ``purge_step=11`` makes TensorBoard show each once (a writer opened
-    without it shows 11..17 twice)."""
+    """Steps 1..20 once each, every value the straight run's bit for bit (float64), and
+    ``eval_loss`` (tracked in a second call) at every fifth step. The killed job's file
+    does hold steps 11..16, and the relaunch's holds them again: only the relaunch's
+    ``purge_step=11`` makes TensorBoard show each once (a writer opened without it shows
+    11..16 twice). Step 17 was still open when the job was killed (a second call could
+    have come), so only the relaunch forwarded it."""
     truth = _truth(runs)
     acc = _tensorboard(runs.crashed / "tb")
-    for name in METRICS:
+    for name in (*METRICS, "eval_loss"):
         got = _tb_values(acc, name)
-        assert [s for s, _ in got] == list(range(1, TOTAL + 1)), name
+        assert [s for s, _ in got] == [s for s, _ in truth[name]], name
         assert [v.hex() for _, v in got] == [v.hex() for _, v in truth[name]], name
     killed, relaunched = sorted((runs.crashed / "tb").iterdir())
-    assert _raw_steps(killed, "loss") == list(range(1, KILLED_AFTER + 1))
+    assert _raw_steps(killed, "loss") == list(range(1, KILLED_AFTER))
+    assert _raw_steps(killed, "eval_loss") == [5, 10, 15]
     assert _raw_steps(relaunched, "loss") == list(range(SAVED + 1, TOTAL + 1))
 
 
 def test_tensorboard_shows_the_verdict_and_the_run_id(runs):
     """The replay verdict of the relaunch (identical, decided at step 17, the last step the
-    killed job had tracked) as a text and a 1.0; the run id at the start of each job."""
+    killed job had tracked) as a text and a 1.0; the run id at the start of each job.
+    The texts read back under the tags documented, ``unbroken/run`` and
+    ``unbroken/replay`` (issue 36, item 12: ``add_text`` made them
+    ``unbroken/run/text_summary``)."""
     acc = _tensorboard(runs.crashed / "tb")
+    tags = acc.Tags()["tensors"]
+    assert {"unbroken/run", "unbroken/replay"} <= set(tags)
+    assert not [t for t in tags if t.endswith("text_summary")], tags
     [(step, text)] = _tb_texts(acc, "unbroken/replay")
     assert step == KILLED_AFTER and "identical" in text and f"from step {SAVED}" in text
     assert _tb_values(acc, "unbroken/replay_identical") == [(KILLED_AFTER, 1.0)]
@@ -251,20 +263,23 @@ def _summary(path: Path) -> dict[str, object]:
 
 
 def test_wandb_run_files_hold_every_step_once_with_the_straight_runs_values(runs):
-    """What ``wandb sync`` would upload: the killed job's rows (1..17, kept by the
-    detached wandb-core) and the relaunch's (18..20 only: it recomputed 11..17 and did not
-    send them again: doubled, or moved to later steps on upload), every value the
-    straight run's bit for bit."""
+    """What ``wandb sync`` would upload: the killed job's rows (1..16, kept by the
+    detached wandb-core; step 17 was still open) and the relaunch's (17..20 only: it
+    recomputed 11..16 and did not send them again: doubled, or moved to later steps on
+    upload), every value the straight run's bit for bit. Every fifth step's row holds
+    ``eval_loss`` beside ``loss``, though tracked in a second call (issue 36, item 3:
+    logged per call with ``commit=True``, W&B dropped the second call's metrics)."""
     truth = _truth(runs)
     killed, relaunched = _offline_runs(runs.crashed)
-    assert [s for s, _ in _history(killed)] == list(range(1, KILLED_AFTER + 1))
-    assert [s for s, _ in _history(relaunched)] == list(range(KILLED_AFTER + 1, TOTAL + 1))
+    assert [s for s, _ in _history(killed)] == list(range(1, KILLED_AFTER))
+    assert [s for s, _ in _history(relaunched)] == list(range(KILLED_AFTER, TOTAL + 1))
     rows = _history(killed) + _history(relaunched)
-    for name in METRICS:
-        got = [(s, row[name]) for s, row in rows]
+    for name in (*METRICS, "eval_loss"):
+        got = [(s, row[name]) for s, row in rows if name in row]
         assert [(s, float(v).hex()) for s, v in got] == [(s, v.hex()) for s, v in truth[name]]
     [straight] = _offline_runs(runs.straight)
     assert [s for s, _ in _history(straight)] == list(range(1, TOTAL + 1))
+    assert [s for s, row in _history(straight) if "eval_loss" in row] == EVALUATED
 
 
 def test_wandb_continues_one_run_and_keeps_the_verdict_in_its_summary(runs):
