@@ -463,3 +463,95 @@ def test_tracker_arguments_set_from_the_run_are_refused(tmp_path):
         WandbTracker(project="p", id="mine", resume="must")
     with pytest.raises(ValueError, match="sets purge_step"):
         TensorBoardTracker(tmp_path, purge_step=3)
+
+
+# A step tracked in two calls (issue 36, item 3) -------------------------------------------
+
+
+def _train_with_eval(p: Problem, ckpt, first: int, last: int, save_at=(), cut=None) -> None:
+    """``track(step, loss=)`` every step, then ``track(step, eval_loss=)`` on even steps
+    (a second call for the same step); ``cut``: stop right after that step's first call."""
+    for step in range(first, last + 1):
+        ckpt.track(step, loss=p.step())
+        if step == cut:
+            return
+        if step % 2 == 0:
+            with torch.no_grad():
+                ckpt.track(step, eval_loss=p.model(torch.ones(2, 4)).pow(2).mean())
+        if step in save_at:
+            ckpt.save(step)
+
+
+def _logged(tracker: Recording) -> dict[int, set[str]]:
+    logs = [c for c in tracker.calls if c[0] == "log"]
+    assert len({c[1] for c in logs}) == len(logs), "a step logged twice"
+    return {c[1]: set(c[2]) for c in logs}
+
+
+def test_trackers_get_each_step_once_with_both_calls_merged(tmp_path):
+    """Each step reaches the trackers once, when complete, holding ``loss`` and (even
+    steps) ``eval_loss``. A job dropped right after step 8's first call had forwarded
+    steps 1..7 only (8 was still open), so the resume's ``tracked_upto`` is 7, not 8:
+    an appending tracker (W&B) then logs step 8 from the recompute instead of never."""
+    first, again = Recording(), Recording()
+    p = Problem()
+    ckpt = p.checkpointer(tmp_path, trackers=[first])
+    ckpt.restore()
+    _train_with_eval(p, ckpt, 1, 8, save_at=(5,), cut=8)
+    run_id = ckpt.run_id
+    del ckpt  # a crash: no save, no close
+    both, loss = {"loss", "eval_loss"}, {"loss"}
+    assert _logged(first) == {s: both if s % 2 == 0 else loss for s in range(1, 8)}
+    q = Problem(seed=1)
+    with q.checkpointer(tmp_path, trackers=[again]) as ckpt:
+        ckpt.restore()
+        _train_with_eval(q, ckpt, 6, 10)
+        assert ckpt.replay.status == "identical" and ckpt.warnings == []
+    assert again.calls[0] == ("start", run_id, 5, 7)
+    assert _logged(again) == {s: both if s % 2 == 0 else loss for s in range(6, 11)}
+    assert ("verdict", 8, "identical") in again.calls  # step 8 compared (its loss only)
+
+
+def test_wandb_gets_one_row_per_step_holding_both_calls(tmp_path, monkeypatch):
+    """A real (offline) W&B run: every step is one history row, and the even steps' rows
+    hold ``eval_loss`` beside ``loss``. Logged per call with ``commit=True``, wandb 0.31
+    dropped the second call of a step ("ignoring partial history record")."""
+    from unbroken.integrations.trackers import WandbTracker
+
+    for name, value in _env(tmp_path, WANDB_CONSOLE="off").items():
+        if name.startswith("WANDB_"):
+            monkeypatch.setenv(name, value)
+    p = Problem()
+    tracker = WandbTracker(project="p", dir=str(tmp_path / "wandb"))
+    with p.checkpointer(tmp_path / "ckpts", trackers=[tracker]) as ckpt:
+        ckpt.restore()
+        _train_with_eval(p, ckpt, 1, 4, save_at=(4,))
+    [path] = _offline_runs(tmp_path)
+    rows = _history(path)
+    truth = read_series(tmp_path / "ckpts").values
+    assert [s for s, _ in rows] == [1, 2, 3, 4]
+    assert [s for s, row in rows if "eval_loss" in row] == [2, 4]
+    for name in ("loss", "eval_loss"):
+        got = [(s, float(row[name]).hex()) for s, row in rows if name in row]
+        assert got == [(s, v.hex()) for s, v in truth[name]], name
+
+
+def test_tensorboard_gets_both_calls_and_its_texts_under_their_tags(tmp_path):
+    """TensorBoard holds ``loss`` at every step and ``eval_loss`` at the even ones, bit
+    for bit the recorded values; the run id's text reads back under ``unbroken/run``
+    (issue 36, item 12: it was ``unbroken/run/text_summary``)."""
+    from unbroken.integrations.trackers import TensorBoardTracker
+
+    p = Problem()
+    tracker = TensorBoardTracker(tmp_path / "tb")
+    with p.checkpointer(tmp_path / "ckpts", trackers=[tracker]) as ckpt:
+        ckpt.restore()
+        _train_with_eval(p, ckpt, 1, 4, save_at=(4,))
+        run_id = ckpt.run_id
+    truth = read_series(tmp_path / "ckpts").values
+    acc = _tensorboard(tmp_path / "tb")
+    for name in ("loss", "eval_loss"):
+        got = [(s, v.hex()) for s, v in _tb_values(acc, name)]
+        assert got == [(s, v.hex()) for s, v in truth[name]], name
+    assert _tb_texts(acc, "unbroken/run") == [(1, f"run {run_id} started")]
+    assert "unbroken/run/text_summary" not in acc.Tags()["tensors"]
