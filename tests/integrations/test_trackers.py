@@ -555,3 +555,25 @@ def test_tensorboard_gets_both_calls_and_its_texts_under_their_tags(tmp_path):
         assert got == [(s, v.hex()) for s, v in truth[name]], name
     assert _tb_texts(acc, "unbroken/run") == [(1, f"run {run_id} started")]
     assert "unbroken/run/text_summary" not in acc.Tags()["tensors"]
+
+
+@pytest.mark.parametrize(
+    ("header", "tail", "upto"),
+    [
+        ({"marks_complete": True}, [], 16),  # killed while step 17 was open
+        ({"marks_complete": True}, [{"complete": 17}], 17),  # a save or close() after it
+        ({}, [], 17),  # an older version forwarded every call at once
+    ],
+)
+def test_tracked_upto_counts_the_steps_forwarded(tmp_path, header, tail, upto):
+    """Issue 36, item 3: a step is forwarded once complete, so the record's last step
+    counts only if another step followed it or a ``complete`` line marked it; records
+    of older versions (no ``marks_complete`` in the header) count every step."""
+    from unbroken.run.trackers import tracked_upto
+    from unbroken.storage.locate import location
+
+    lines = [{"segment": "a", "resumed_from": None, "parent": None, "world_size": 1, **header}]
+    lines += [{"segment": "a", "step": s, "metrics": {"loss": 1.0}} for s in range(1, 18)]
+    lines += [{"segment": "a", **extra} for extra in tail]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert tracked_upto(location(tmp_path), 10) == upto
