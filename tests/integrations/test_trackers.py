@@ -526,6 +526,7 @@ def test_wandb_gets_one_row_per_step_holding_both_calls(tmp_path, monkeypatch):
     with p.checkpointer(tmp_path / "ckpts", trackers=[tracker]) as ckpt:
         ckpt.restore()
         _train_with_eval(p, ckpt, 1, 4, save_at=(4,))
+    _wait_for_exit_record(tmp_path)  # wandb-core may still be writing the file out
     [path] = _offline_runs(tmp_path)
     rows = _history(path)
     truth = read_series(tmp_path / "ckpts").values
@@ -577,3 +578,20 @@ def test_tracked_upto_counts_the_steps_forwarded(tmp_path, header, tail, upto):
     lines += [{"segment": "a", **extra} for extra in tail]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert tracked_upto(location(tmp_path), 10) == upto
+
+
+def test_a_step_tracked_again_after_the_next_one_is_named(tmp_path, caplog):
+    """Issue 36, item 3: a step's metrics reach the trackers once the next step is
+    tracked, so a metric tracked for step 1 after step 2 comes late (W&B would drop its
+    row): one warning names the step and the metric, and the record still keeps it."""
+    p, tracker = Problem(), Recording()
+    caplog.set_level(logging.WARNING, logger="unbroken.run.record")
+    with p.checkpointer(tmp_path, trackers=[tracker]) as ckpt:
+        ckpt.restore()
+        ckpt.track(1, loss=1.0)
+        ckpt.track(2, loss=2.0)
+        ckpt.track(1, eval_loss=3.0)
+        ckpt.track(1, eval_acc=4.0)
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "step 1 was tracked again (eval_loss) after another step" in warning
+    assert read_series(tmp_path).values["eval_loss"] == [(1, 3.0)]

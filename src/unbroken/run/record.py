@@ -37,6 +37,7 @@ collective)::
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,6 +48,8 @@ from ..storage.interface import Location
 from .health_check import HealthCheck, check_metric_names
 from .metrics import MetricLog, RecordGate
 from .replay_check import ReplayCheck, ReplayVerdict
+
+logger = logging.getLogger(__name__)
 
 METRICS_WINDOW = 200  # tracked steps kept in each checkpoint's manifest
 
@@ -100,6 +103,7 @@ class RunRecord:
         self._health: HealthCheck | None = None
         self._pending: int | None = None  # the step tracked last, until complete
         self._health_step: int | None = None  # the step the health check saw last
+        self._warned_reopened = False
 
     @property
     def segment(self) -> str:
@@ -155,7 +159,17 @@ class RunRecord:
         Raises:
             TypeError, ValueError: a metric that is not a number or a one-element tensor.
         """
+        reopened = step != self._pending and step in self._log.values
         self._log.track(step, metrics)  # checks the values first: a bad call completes nothing
+        if reopened and not self._warned_reopened:
+            self._warned_reopened = True
+            logger.warning(
+                "step %d was tracked again (%s) after another step completed it: its "
+                "metrics reached the trackers then, and W&B drops a second row for an "
+                "earlier step. Track every metric of a step before the next step",
+                step,
+                ", ".join(sorted(metrics)),
+            )
         done = self.complete(mark=False) if self._pending not in (None, step) else None
         self._pending = step
         values = self._log.values[step]
