@@ -593,5 +593,5 @@ def test_a_step_tracked_again_after_the_next_one_is_named(tmp_path, caplog):
         ckpt.track(1, eval_loss=3.0)
         ckpt.track(1, eval_acc=4.0)
     [warning] = [r.getMessage() for r in caplog.records]
-    assert "step 1 was tracked again (eval_loss) after another step" in warning
+    assert "step 1 was tracked again (eval_loss) after it was complete" in warning
     assert read_series(tmp_path).values["eval_loss"] == [(1, 3.0)]

@@ -164,9 +164,10 @@ class RunRecord:
         if reopened and not self._warned_reopened:
             self._warned_reopened = True
             logger.warning(
-                "step %d was tracked again (%s) after another step completed it: its "
-                "metrics reached the trackers then, and W&B drops a second row for an "
-                "earlier step. Track every metric of a step before the next step",
+                "step %d was tracked again (%s) after it was complete (another step or "
+                "a save came after it): its metrics reached the trackers then, and W&B "
+                "drops a second row for a step. Track every metric of a step before the "
+                "next step and before its save",
                 step,
                 ", ".join(sorted(metrics)),
             )
