@@ -2,7 +2,8 @@
 
 docs/integrations/trackers.md's script runs as printed, in fresh processes: once straight
 to step 20, and once killed with SIGKILL right after tracking step 17 (last save: step
-10), then launched again, so it restores step 10 and recomputes steps 11 to 20. What
+10), then launched again, so it restores step 10 and recomputes steps 11 to 20. Every
+fifth step also tracks ``eval_loss`` in a second ``track()`` call (issue 36, item 3). What
 TensorBoard's event files and W&B's offline run files hold is read back with their own
 readers (TensorBoard's ``EventAccumulator``; wandb 0.31 ships no Python reader of ``.wandb`` files, so
 a small one of its LevelDB-style log is below). Bug class: a resume that logs the
@@ -39,6 +40,7 @@ from .recipes import write_recipe
 pytestmark = pytest.mark.e2e
 TOTAL, SAVED, KILLED_AFTER = 20, 10, 17
 METRICS = ("loss", "grad_norm")
+EVALUATED = [5, 10, 15, 20]  # steps that also track eval_loss, in a second call
 
 # Runs the recipe unchanged, SIGKILLing itself right after ``track`` of step N (0: never):
 # no close(), no flush, no atexit; what reached the trackers' files is all there is.
@@ -119,7 +121,8 @@ def _truth(runs: Runs) -> dict[str, list[tuple[int, float]]]:
     """The straight run's tracked values, as unbroken recorded them (exact floats)."""
     values = read_series(runs.straight / "ckpts").values
     assert [s for s, _ in values["loss"]] == list(range(1, TOTAL + 1))
-    return {name: values[name] for name in METRICS}
+    assert [s for s, _ in values["eval_loss"]] == EVALUATED
+    return {name: values[name] for name in (*METRICS, "eval_loss")}
 
 
 # TensorBoard -------------------------------------------------------------------------------
@@ -146,7 +149,7 @@ def _tb_texts(acc, tag: str) -> list[tuple[int, str]]:
     from tensorboard.util import tensor_util
 
     return [(e.step, tensor_util.make_ndarray(e.tensor_proto).item().decode())
-            for e in acc.Tensors(f"{tag}/text_summary")]  # fmt: skip
+            for e in acc.Tensors(tag)]  # fmt: skip
 
 
 def _raw_steps(event_file: Path, tag: str) -> list[int]:
@@ -158,25 +161,34 @@ def _raw_steps(event_file: Path, tag: str) -> list[int]:
 
 
 def test_tensorboard_shows_every_step_once_with_the_straight_runs_values(runs):
-    """Steps 1..20 once each, every value the straight run's bit for bit (float64). The
-    killed job's file does hold steps 11..17, and the relaunch's holds them again: only
-    the relaunch's ``purge_step=11`` makes TensorBoard show each once (a writer opened
-    without it shows 11..17 twice)."""
+    """Steps 1..20 once each, every value the straight run's bit for bit (float64), and
+    ``eval_loss`` (tracked in a second call) at every fifth step. The killed job's file
+    does hold steps 11..16, and the relaunch's holds them again: only the relaunch's
+    ``purge_step=11`` makes TensorBoard show each once (a writer opened without it shows
+    11..16 twice). Step 17 was still open when the job was killed (a second call could
+    have come), so only the relaunch forwarded it."""
     truth = _truth(runs)
     acc = _tensorboard(runs.crashed / "tb")
-    for name in METRICS:
+    for name in (*METRICS, "eval_loss"):
         got = _tb_values(acc, name)
-        assert [s for s, _ in got] == list(range(1, TOTAL + 1)), name
+        assert [s for s, _ in got] == [s for s, _ in truth[name]], name
         assert [v.hex() for _, v in got] == [v.hex() for _, v in truth[name]], name
     killed, relaunched = sorted((runs.crashed / "tb").iterdir())
-    assert _raw_steps(killed, "loss") == list(range(1, KILLED_AFTER + 1))
+    assert _raw_steps(killed, "loss") == list(range(1, KILLED_AFTER))
+    assert _raw_steps(killed, "eval_loss") == [5, 10, 15]
     assert _raw_steps(relaunched, "loss") == list(range(SAVED + 1, TOTAL + 1))
 
 
 def test_tensorboard_shows_the_verdict_and_the_run_id(runs):
     """The replay verdict of the relaunch (identical, decided at step 17, the last step the
-    killed job had tracked) as a text and a 1.0; the run id at the start of each job."""
+    killed job had tracked) as a text and a 1.0; the run id at the start of each job.
+    The texts read back under the tags documented, ``unbroken/run`` and
+    ``unbroken/replay`` (issue 36, item 12: ``add_text`` made them
+    ``unbroken/run/text_summary``)."""
     acc = _tensorboard(runs.crashed / "tb")
+    tags = acc.Tags()["tensors"]
+    assert {"unbroken/run", "unbroken/replay"} <= set(tags)
+    assert not [t for t in tags if t.endswith("text_summary")], tags
     [(step, text)] = _tb_texts(acc, "unbroken/replay")
     assert step == KILLED_AFTER and "identical" in text and f"from step {SAVED}" in text
     assert _tb_values(acc, "unbroken/replay_identical") == [(KILLED_AFTER, 1.0)]
@@ -251,20 +263,23 @@ def _summary(path: Path) -> dict[str, object]:
 
 
 def test_wandb_run_files_hold_every_step_once_with_the_straight_runs_values(runs):
-    """What ``wandb sync`` would upload: the killed job's rows (1..17, kept by the
-    detached wandb-core) and the relaunch's (18..20 only: it recomputed 11..17 and did not
-    send them again: doubled, or moved to later steps on upload), every value the
-    straight run's bit for bit."""
+    """What ``wandb sync`` would upload: the killed job's rows (1..16, kept by the
+    detached wandb-core; step 17 was still open) and the relaunch's (17..20 only: it
+    recomputed 11..16 and did not send them again: doubled, or moved to later steps on
+    upload), every value the straight run's bit for bit. Every fifth step's row holds
+    ``eval_loss`` beside ``loss``, though tracked in a second call (issue 36, item 3:
+    logged per call with ``commit=True``, W&B dropped the second call's metrics)."""
     truth = _truth(runs)
     killed, relaunched = _offline_runs(runs.crashed)
-    assert [s for s, _ in _history(killed)] == list(range(1, KILLED_AFTER + 1))
-    assert [s for s, _ in _history(relaunched)] == list(range(KILLED_AFTER + 1, TOTAL + 1))
+    assert [s for s, _ in _history(killed)] == list(range(1, KILLED_AFTER))
+    assert [s for s, _ in _history(relaunched)] == list(range(KILLED_AFTER, TOTAL + 1))
     rows = _history(killed) + _history(relaunched)
-    for name in METRICS:
-        got = [(s, row[name]) for s, row in rows]
+    for name in (*METRICS, "eval_loss"):
+        got = [(s, row[name]) for s, row in rows if name in row]
         assert [(s, float(v).hex()) for s, v in got] == [(s, v.hex()) for s, v in truth[name]]
     [straight] = _offline_runs(runs.straight)
     assert [s for s, _ in _history(straight)] == list(range(1, TOTAL + 1))
+    assert [s for s, row in _history(straight) if "eval_loss" in row] == EVALUATED
 
 
 def test_wandb_continues_one_run_and_keeps_the_verdict_in_its_summary(runs):
@@ -448,3 +463,135 @@ def test_tracker_arguments_set_from_the_run_are_refused(tmp_path):
         WandbTracker(project="p", id="mine", resume="must")
     with pytest.raises(ValueError, match="sets purge_step"):
         TensorBoardTracker(tmp_path, purge_step=3)
+
+
+# A step tracked in two calls (issue 36, item 3) -------------------------------------------
+
+
+def _train_with_eval(p: Problem, ckpt, first: int, last: int, save_at=(), cut=None) -> None:
+    """``track(step, loss=)`` every step, then ``track(step, eval_loss=)`` on even steps
+    (a second call for the same step); ``cut``: stop right after that step's first call."""
+    for step in range(first, last + 1):
+        ckpt.track(step, loss=p.step())
+        if step == cut:
+            return
+        if step % 2 == 0:
+            with torch.no_grad():
+                ckpt.track(step, eval_loss=p.model(torch.ones(2, 4)).pow(2).mean())
+        if step in save_at:
+            ckpt.save(step)
+
+
+def _logged(tracker: Recording) -> dict[int, set[str]]:
+    logs = [c for c in tracker.calls if c[0] == "log"]
+    assert len({c[1] for c in logs}) == len(logs), "a step logged twice"
+    return {c[1]: set(c[2]) for c in logs}
+
+
+def test_trackers_get_each_step_once_with_both_calls_merged(tmp_path):
+    """Each step reaches the trackers once, when complete, holding ``loss`` and (even
+    steps) ``eval_loss``. A job dropped right after step 8's first call had forwarded
+    steps 1..7 only (8 was still open), so the resume's ``tracked_upto`` is 7, not 8:
+    an appending tracker (W&B) then logs step 8 from the recompute instead of never."""
+    first, again = Recording(), Recording()
+    p = Problem()
+    ckpt = p.checkpointer(tmp_path, trackers=[first])
+    ckpt.restore()
+    _train_with_eval(p, ckpt, 1, 8, save_at=(5,), cut=8)
+    run_id = ckpt.run_id
+    del ckpt  # a crash: no save, no close
+    both, loss = {"loss", "eval_loss"}, {"loss"}
+    assert _logged(first) == {s: both if s % 2 == 0 else loss for s in range(1, 8)}
+    q = Problem(seed=1)
+    with q.checkpointer(tmp_path, trackers=[again]) as ckpt:
+        ckpt.restore()
+        _train_with_eval(q, ckpt, 6, 10)
+        assert ckpt.replay.status == "identical" and ckpt.warnings == []
+    assert again.calls[0] == ("start", run_id, 5, 7)
+    assert _logged(again) == {s: both if s % 2 == 0 else loss for s in range(6, 11)}
+    assert ("verdict", 8, "identical") in again.calls  # step 8 compared (its loss only)
+
+
+def test_wandb_gets_one_row_per_step_holding_both_calls(tmp_path, monkeypatch):
+    """A real (offline) W&B run: every step is one history row, and the even steps' rows
+    hold ``eval_loss`` beside ``loss``. Logged per call with ``commit=True``, wandb 0.31
+    dropped the second call of a step ("ignoring partial history record")."""
+    from unbroken.integrations.trackers import WandbTracker
+
+    for name, value in _env(tmp_path, WANDB_CONSOLE="off").items():
+        if name.startswith("WANDB_"):
+            monkeypatch.setenv(name, value)
+    p = Problem()
+    tracker = WandbTracker(project="p", dir=str(tmp_path / "wandb"))
+    with p.checkpointer(tmp_path / "ckpts", trackers=[tracker]) as ckpt:
+        ckpt.restore()
+        _train_with_eval(p, ckpt, 1, 4, save_at=(4,))
+    _wait_for_exit_record(tmp_path)  # wandb-core may still be writing the file out
+    [path] = _offline_runs(tmp_path)
+    rows = _history(path)
+    truth = read_series(tmp_path / "ckpts").values
+    assert [s for s, _ in rows] == [1, 2, 3, 4]
+    assert [s for s, row in rows if "eval_loss" in row] == [2, 4]
+    for name in ("loss", "eval_loss"):
+        got = [(s, float(row[name]).hex()) for s, row in rows if name in row]
+        assert got == [(s, v.hex()) for s, v in truth[name]], name
+
+
+def test_tensorboard_gets_both_calls_and_its_texts_under_their_tags(tmp_path):
+    """TensorBoard holds ``loss`` at every step and ``eval_loss`` at the even ones, bit
+    for bit the recorded values; the run id's text reads back under ``unbroken/run``
+    (issue 36, item 12: it was ``unbroken/run/text_summary``)."""
+    from unbroken.integrations.trackers import TensorBoardTracker
+
+    p = Problem()
+    tracker = TensorBoardTracker(tmp_path / "tb")
+    with p.checkpointer(tmp_path / "ckpts", trackers=[tracker]) as ckpt:
+        ckpt.restore()
+        _train_with_eval(p, ckpt, 1, 4, save_at=(4,))
+        run_id = ckpt.run_id
+    truth = read_series(tmp_path / "ckpts").values
+    acc = _tensorboard(tmp_path / "tb")
+    for name in ("loss", "eval_loss"):
+        got = [(s, v.hex()) for s, v in _tb_values(acc, name)]
+        assert got == [(s, v.hex()) for s, v in truth[name]], name
+    assert _tb_texts(acc, "unbroken/run") == [(1, f"run {run_id} started")]
+    assert "unbroken/run/text_summary" not in acc.Tags()["tensors"]
+
+
+@pytest.mark.parametrize(
+    ("header", "tail", "upto"),
+    [
+        ({"marks_complete": True}, [], 16),  # killed while step 17 was open
+        ({"marks_complete": True}, [{"complete": 17}], 17),  # a save or close() after it
+        ({}, [], 17),  # an older version forwarded every call at once
+    ],
+)
+def test_tracked_upto_counts_the_steps_forwarded(tmp_path, header, tail, upto):
+    """Issue 36, item 3: a step is forwarded once complete, so the record's last step
+    counts only if another step followed it or a ``complete`` line marked it; records
+    of older versions (no ``marks_complete`` in the header) count every step."""
+    from unbroken.run.trackers import tracked_upto
+    from unbroken.storage.locate import location
+
+    lines = [{"segment": "a", "resumed_from": None, "parent": None, "world_size": 1, **header}]
+    lines += [{"segment": "a", "step": s, "metrics": {"loss": 1.0}} for s in range(1, 18)]
+    lines += [{"segment": "a", **extra} for extra in tail]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert tracked_upto(location(tmp_path), 10) == upto
+
+
+def test_a_step_tracked_again_after_the_next_one_is_named(tmp_path, caplog):
+    """Issue 36, item 3: a step's metrics reach the trackers once the next step is
+    tracked, so a metric tracked for step 1 after step 2 comes late (W&B would drop its
+    row): one warning names the step and the metric, and the record still keeps it."""
+    p, tracker = Problem(), Recording()
+    caplog.set_level(logging.WARNING, logger="unbroken.run.record")
+    with p.checkpointer(tmp_path, trackers=[tracker]) as ckpt:
+        ckpt.restore()
+        ckpt.track(1, loss=1.0)
+        ckpt.track(2, loss=2.0)
+        ckpt.track(1, eval_loss=3.0)
+        ckpt.track(1, eval_acc=4.0)
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "step 1 was tracked again (eval_loss) after it was complete" in warning
+    assert read_series(tmp_path).values["eval_loss"] == [(1, 3.0)]

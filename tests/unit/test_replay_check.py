@@ -187,3 +187,89 @@ def test_steps_a_run_withdrew_are_no_reference(ckpt_dir):
     assert start == 5 and ckpt.replay.recorded_steps == 1  # step 6 only: 7 and 8 withdrawn
     _train(ckpt, q, start, 8)
     assert ckpt.replay.identical is True and ckpt.replay.compared_steps == 1
+
+
+# A step tracked in two calls (issue 36, item 3) -------------------------------------------
+
+EVAL_X = torch.ones(2, 4)  # a fixed evaluation batch: evaluating draws no random numbers
+
+
+def _train_with_eval(ckpt, p, start, upto, *, save_at=(), shift=0.0, evaluate=True, cut=None):
+    """Tracks the loss, then on even steps ``eval_loss`` in a second call for the same
+    step (as docs/integrations/accelerate.md does); ``cut``: return right after the
+    first call of that step (a crash between the two calls)."""
+    for step in range(start + 1, upto + 1):
+        ckpt.track(step, loss=p.step())
+        if step == cut:
+            return
+        if evaluate and step % 2 == 0:
+            with torch.no_grad():
+                eval_loss = p.model(EVAL_X).pow(2).mean().item() + shift
+            ckpt.track(step, eval_loss=eval_loss)
+        if step in save_at:
+            ckpt.save(step)
+
+
+def _crashed_run_with_eval(ckpt_dir, **kwargs):
+    """Saves step 5, tracks to 8 (loss, and eval_loss on even steps in a second call),
+    then is dropped without close()."""
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir, keep_last=None)
+    ckpt.restore()
+    _train_with_eval(ckpt, p, 0, 8, save_at=(5,), **kwargs)
+    del ckpt
+
+
+def test_a_step_tracked_in_two_calls_replays_identically(ckpt_dir):
+    """Issue 36, item 3: steps 6 and 8 tracked as ``track(s, loss=)`` then
+    ``track(s, eval_loss=)``; after the crash an exact recompute is identical (it was
+    DIFFERENT, "eval_loss: recorded, but not tracked in the replay", compared at the first
+    call), with nothing in the warnings, the record's verdict or the next lineage."""
+    _crashed_run_with_eval(ckpt_dir)
+    q, ckpt, start = _resume(ckpt_dir)
+    assert start == 5 and ckpt.replay.recorded_steps == 3
+    _train_with_eval(ckpt, q, start, 8)
+    ckpt.save(8)
+    ckpt.close()
+    assert (ckpt.replay.status, ckpt.replay.compared_steps) == ("identical", 3)
+    assert ckpt.warnings == []
+    event = json.loads((ckpt_dir / "step_00000008" / "manifest.json").read_text())["lineage"][-1]
+    assert event["replay"]["status"] == "identical"
+    lines = [json.loads(x) for x in (ckpt_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["replay"]["status"] for x in lines if "replay" in x] == ["identical"]
+
+
+def test_a_crash_between_the_two_calls_of_a_step_replays_identically(ckpt_dir):
+    """Killed after ``track(8, loss=)`` and before ``track(8, eval_loss=)``: the record
+    holds step 8's loss only, which the recompute (tracking both) matches."""
+    _crashed_run_with_eval(ckpt_dir, cut=8)
+    q, ckpt, start = _resume(ckpt_dir)
+    _train_with_eval(ckpt, q, start, 9)
+    assert (ckpt.replay.status, ckpt.replay.compared_steps) == ("identical", 3)
+    ckpt.close()
+
+
+def test_a_different_second_call_is_caught(ckpt_dir):
+    """The replayed ``eval_loss`` of step 6 off by 1e-6: DIFFERENT at step 6, metric
+    ``eval_loss``, at once (its loss, tracked first, was equal)."""
+    _crashed_run_with_eval(ckpt_dir)
+    q, ckpt, start = _resume(ckpt_dir)
+    _train_with_eval(ckpt, q, start, 6, shift=1e-6)
+    verdict = ckpt.replay
+    assert (verdict.status, verdict.step, verdict.metric) == ("different", 6, "eval_loss")
+    assert any("DIFFERENT at step 6, metric 'eval_loss'" in w for w in ckpt.warnings)
+    ckpt.close()
+
+
+def test_a_second_call_left_out_of_the_replay_is_caught_once_the_step_is_complete(ckpt_dir):
+    """A replay that never tracks ``eval_loss``: step 6 is DIFFERENT ("recorded, but not
+    tracked in the replay") once step 7 completes it, not at its first call."""
+    _crashed_run_with_eval(ckpt_dir)
+    q, ckpt, start = _resume(ckpt_dir)
+    _train_with_eval(ckpt, q, start, 6, evaluate=False)
+    assert ckpt.replay.status == "pending"  # the evaluation of step 6 may still come
+    _train_with_eval(ckpt, q, 6, 7, evaluate=False)
+    verdict = ckpt.replay
+    assert (verdict.status, verdict.step, verdict.metric) == ("different", 6, "eval_loss")
+    assert verdict.first_difference == "recorded, but not tracked in the replay"
+    ckpt.close()

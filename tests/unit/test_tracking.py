@@ -39,6 +39,37 @@ def test_series_across_resumes_has_no_duplicates(ckpt_dir):
     assert [v for _, v in series.values["grad_norm"]] == [float(s) for s in range(1, 9)]
 
 
+def test_a_step_tracked_in_two_calls_is_one_step_in_the_series_and_the_manifest(ckpt_dir):
+    """Issue 36, item 3: ``track(s, loss=)`` then ``track(s, eval_loss=)``: the series
+    (``unbroken plot``, resume-test's comparison) and the manifest's window hold both
+    metrics at ``s`` (the second call's line replaced the first's: the loss was lost);
+    a resumed segment's recompute of ``s`` still replaces the old values, not merges."""
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir, keep_last=None)
+    ckpt.restore()
+    for step in range(1, 5):
+        ckpt.track(step, loss=float(step))
+        ckpt.track(step, eval_loss=10.0 + step)
+        if step == 2:
+            ckpt.save(2)
+    del ckpt  # a crash after step 4
+    doc = json.loads((ckpt_dir / "step_00000002" / "manifest.json").read_text())
+    assert doc["metrics"] == [
+        {"step": 1, "loss": 1.0, "eval_loss": 11.0},
+        {"step": 2, "loss": 2.0, "eval_loss": 12.0},
+    ]
+    series = read_series(ckpt_dir)
+    assert series.values["loss"] == [(s, float(s)) for s in range(1, 5)]
+    assert series.values["eval_loss"] == [(s, 10.0 + s) for s in range(1, 5)]
+    q = Problem(seed=1)
+    with q.checkpointer(ckpt_dir, keep_last=None) as ckpt:
+        ckpt.restore()
+        ckpt.track(3, loss=30.0)  # recomputed without an evaluation
+    series = read_series(ckpt_dir)
+    assert series.values["loss"] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert series.values["eval_loss"] == [(1, 11.0), (2, 12.0)]
+
+
 def test_torn_last_line_is_ignored(ckpt_dir):
     _run(ckpt_dir, 3, save_at={3})
     with open(ckpt_dir / "metrics.jsonl", "a") as f:

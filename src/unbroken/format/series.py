@@ -5,7 +5,8 @@ The lines (:func:`record_lines`: the run folder's journal ``metrics``, which is
 written by :mod:`.metrics`) are replayed in order: a segment that
 resumed from step R drops every later step of the timelines before it, and a replayed
 step replaces the old value, so the series has no duplicates and follows the timeline
-that survived. Lines of another run never count: a ``retracted`` line withdraws its
+that survived. A segment's lines of one step (a step tracked in several calls: the
+loss, then an evaluation) are one step holding all their metrics. Lines of another run never count: a ``retracted`` line withdraws its
 segment's steps after the step it kept, step lines a segment wrote after a later
 segment's header are skipped, and a header that ``replaces`` (``overwrite=True``)
 begins the series anew.
@@ -65,6 +66,7 @@ def series_from_lines(lines: list[str]) -> Series:
     records = parsed(lines)
     withdrawn = retractions(records)  # segment -> steps kept (None: none)
     by_step: dict[int, dict[str, float]] = {}
+    owner: dict[int, str | None] = {}  # step -> the segment whose lines it holds
     resumes: list[int] = []
     warnings: list[tuple[int, str]] = []
     current = None  # the segment whose header came last
@@ -74,7 +76,7 @@ def series_from_lines(lines: list[str]) -> Series:
             continue
         if "step" not in line:
             if "resumed_from" not in line:
-                continue  # a replay verdict, a retraction
+                continue  # a replay verdict, a retraction, a step marked complete
             current = segment
             if line.get("replaces"):
                 by_step, resumes, warnings = {}, [], []
@@ -88,7 +90,10 @@ def series_from_lines(lines: list[str]) -> Series:
         if "warning" in line:
             warnings.append((line["step"], line["warning"]))
             continue
-        by_step[line["step"]] = {k: from_json(v) for k, v in line["metrics"].items()}
+        step = line["step"]
+        if step not in by_step or owner[step] != segment:  # a recomputed step replaces
+            by_step[step], owner[step] = {}, segment
+        by_step[step].update({k: from_json(v) for k, v in line["metrics"].items()})
     values: dict[str, list[tuple[int, float]]] = {}
     for s in sorted(by_step):
         for k, v in by_step[s].items():

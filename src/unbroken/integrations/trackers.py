@@ -36,8 +36,9 @@ class TensorBoardTracker:
     Every step is flushed to the event file as it is logged, so a crash loses nothing
     forwarded. A start (fresh, or a resume from step S) opens a new event file with
     ``purge_step=S + 1``: TensorBoard then hides the events of earlier files at steps
-    after S, which the run recomputes. The replay verdict is a text
-    (``unbroken/replay``) and, once identical or different, a scalar
+    after S, which the run recomputes. Texts are written under their tag as named
+    (``SummaryWriter.add_text`` would append ``/text_summary``). The replay verdict is a
+    text (``unbroken/replay``) and, once identical or different, a scalar
     (``unbroken/replay_identical``: 1.0 or 0.0) at the step it was decided; the run id
     is a text (``unbroken/run``) at step S + 1.
 
@@ -67,7 +68,7 @@ class TensorBoardTracker:
 
         self.writer = SummaryWriter(self.log_dir, purge_step=resume_step + 1, **self._kwargs)
         how = f"resumed from step {resume_step}" if resume_step else "started"
-        self.writer.add_text("unbroken/run", f"run {run_id} {how}", resume_step + 1)
+        self._text("unbroken/run", f"run {run_id} {how}", resume_step + 1)
         self.writer.flush()
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -76,7 +77,7 @@ class TensorBoardTracker:
         self.writer.flush()
 
     def verdict(self, step: int, verdict: ReplayVerdict) -> None:
-        self.writer.add_text("unbroken/replay", str(verdict), step)
+        self._text("unbroken/replay", str(verdict), step)
         if verdict.identical is not None:
             self.writer.add_scalar("unbroken/replay_identical", float(verdict.identical), step)
         self.writer.flush()
@@ -85,6 +86,14 @@ class TensorBoardTracker:
         writer, self.writer = self.writer, None
         if writer is not None:
             writer.close()
+
+    def _text(self, tag: str, text: str, step: int) -> None:
+        """A text summary whose tag reads back as ``tag``: ``SummaryWriter.add_text``
+        writes ``tag + "/text_summary"`` (torch's ``summary.text``), which is the tag
+        TensorBoard and its readers then show."""
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        self.writer.file_writer.add_summary(text_pb(tag, text), step)
 
 
 class WandbTracker:
@@ -99,7 +108,9 @@ class WandbTracker:
     replay check compares the recomputed ones with them bit for bit. Its verdict goes
     into the run's summary: ``unbroken/replay`` (the status),
     ``unbroken/replay_from_step`` and ``unbroken/replay_detail``. Each step is logged
-    with ``commit=True``, so wandb-core holds no half-made row.
+    once it is complete, every metric tracked for it in one row (a step tracked in two
+    calls, a loss then an evaluation, included), with ``commit=True``, so wandb-core
+    holds no half-made row (a second row for a committed step would be dropped).
 
     What wandb-core had not written when the process was killed (SIGKILL, the OOM
     killer) is lost: offline, up to 15 s of rows (its transaction-log flush interval);

@@ -4,8 +4,11 @@ back as one series by :mod:`.series`).
 Rank 0 appends to the run folder's journal (``Location.journal``: ``DIR/metrics.jsonl``
 on a disk, objects under ``PREFIX/metrics/`` on a store): a segment header when a
 Checkpointer starts (with the step it resumed from, the segment that saved that
-checkpoint, and the world size), then one line per tracked step; health-check warnings
-and the replay check's verdict have lines of their own. Where an append is cheap (a
+checkpoint, and the world size), then one line per ``track()`` call (a step tracked
+in two calls, a loss then an evaluation, has two lines, which readers merge); a
+``complete`` line marks a step that a save or ``close()`` completed (module
+``run/record.py``); health-check warnings and the replay check's verdict have lines of
+their own. Where an append is cheap (a
 disk) every line is appended as it is tracked and synced (fsync) at every save and at
 ``close()``; where every append is a request (a store) the lines wait in memory and go
 at every save (at its commit, for a background save), at ``close()``, at interpreter
@@ -149,12 +152,22 @@ class MetricLog:
         self.append({"segment": self.segment, "step": step, "warning": warning})
 
     def track(self, step: int, metrics: dict[str, float | torch.Tensor]) -> None:
+        """Record one ``track()`` call: its values join those tracked for ``step`` before
+        (a step may be tracked in several calls: the loss, then an evaluation), and its
+        line goes to the journal now (readers merge a segment's lines of one step)."""
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {step!r}")
         values = {k: as_float(k, v) for k, v in metrics.items()}
-        self.values[step] = values
+        self.values.setdefault(step, {}).update(values)
         if self._journal is not None:
             self.append(_step_line(self.segment, step, values))
+
+    def complete(self, step: int) -> None:
+        """Mark ``step`` complete in the journal (a save or the end came after it, so it
+        was forwarded to the trackers): a step followed by another step's line needs no
+        mark (``run/trackers.py``'s ``tracked_upto`` reads both)."""
+        if self._journal is not None:
+            self.append({"segment": self.segment, "complete": step})
 
     def window(self, upto: int, size: int) -> list[dict[str, Any]]:
         steps = sorted(s for s in list(self.values) if s <= upto)[-size:]
@@ -306,6 +319,7 @@ class MetricLog:
             "parent": self.parent,
             "world_size": self.world_size,
             "time": time.time(),
+            "marks_complete": True,  # its last step counts as forwarded once marked
         }
         if self._replaces:
             header["replaces"] = True

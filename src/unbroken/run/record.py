@@ -19,7 +19,10 @@ collective)::
 
     RunRecord(root, loss_metric=, grad_norm_metric=, gate=, replaces=)  construction
     resumed(window, from_step=, saved_by=, ...)     * a restore loaded a checkpoint
-    track(step, metrics)                              each Checkpointer.track
+    track(step, metrics)                              each Checkpointer.track: the step
+                                                      it completed (another step's), if any
+    complete(mark=)                                   a save, the end: the last step is
+                                                      complete
     window(step)                                      a save's manifest: its metrics window
     before_save()                                   * a save: the replay verdict, for the lineage
     after_commit()                                  * a save committed: fsync (upload), a
@@ -34,6 +37,7 @@ collective)::
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,6 +48,8 @@ from ..storage.interface import Location
 from .health_check import HealthCheck, check_metric_names
 from .metrics import MetricLog, RecordGate
 from .replay_check import ReplayCheck, ReplayVerdict
+
+logger = logging.getLogger(__name__)
 
 METRICS_WINDOW = 200  # tracked steps kept in each checkpoint's manifest
 
@@ -95,6 +101,9 @@ class RunRecord:
         )
         self._replay: ReplayCheck | None = None
         self._health: HealthCheck | None = None
+        self._pending: int | None = None  # the step tracked last, until complete
+        self._health_step: int | None = None  # the step the health check saw last
+        self._warned_reopened = False
 
     @property
     def segment(self) -> str:
@@ -128,6 +137,7 @@ class RunRecord:
             optimizers: name -> optimizer the restore restored (the optimizer watch).
         """
         self._log.load_window(window, resumed_from=from_step, parent=saved_by)
+        self._pending = self._health_step = None  # a step tracked before: completed by then
         self._replay = self._start_replay(from_step, saved_by, world_size, reset)
         if self._health is not None:
             self._health.close()
@@ -136,19 +146,71 @@ class RunRecord:
             self._log.values, from_step, loss=loss, grad_norm=grad_norm, optimizers=optimizers
         )
 
-    def track(self, step: int, metrics: dict[str, float | torch.Tensor]) -> None:
-        """Record one step's scalar metrics and feed the checks of the last resume.
+    def track(
+        self, step: int, metrics: dict[str, float | torch.Tensor]
+    ) -> tuple[int, dict[str, float]] | None:
+        """Record scalar metrics of ``step`` and feed the checks of the last resume.
+
+        A step may be tracked in several calls (the loss, then an evaluation): it is
+        complete when another step is tracked, or at :meth:`complete` (a save, the end).
+        Returns the step this call completed, with every metric tracked for it (the
+        trackers take it then), or None.
 
         Raises:
             TypeError, ValueError: a metric that is not a number or a one-element tensor.
         """
-        self._log.track(step, metrics)
+        reopened = step != self._pending and step in self._log.values
+        self._log.track(step, metrics)  # checks the values first: a bad call completes nothing
+        if reopened and not self._warned_reopened:
+            self._warned_reopened = True
+            logger.warning(
+                "step %d was tracked again (%s) after it was complete (another step or "
+                "a save came after it): its metrics reached the trackers then, and W&B "
+                "drops a second row for a step. Track every metric of a step before the "
+                "next step and before its save",
+                step,
+                ", ".join(sorted(metrics)),
+            )
+        done = self.complete(mark=False) if self._pending not in (None, step) else None
+        self._pending = step
+        values = self._log.values[step]
+        if self._health is not None and self._names[0] in metrics:
+            self._observe_health(step, values)  # at once, as the loss is there
+        if self._replay is not None:
+            self._decided(self._replay.observe(step, values, complete=False))
+        return done
+
+    @property
+    def pending(self) -> int | None:
+        """The step tracked last, while not complete (None: none)."""
+        return self._pending
+
+    def complete(self, *, mark: bool = True) -> tuple[int, dict[str, float]] | None:
+        """Complete the step tracked last, if any: its metrics, all of them, are judged
+        (a recorded metric the replay lacks is a difference now) and returned with it
+        for the trackers; ``mark``: record that it was complete (a save, the end), so a
+        later resume knows the trackers had it."""
+        step, self._pending = self._pending, None
+        if step is None:
+            return None
         values = self._log.values[step]
         if self._health is not None:
-            for warning in self._health.observe(step, values):
-                self._log.note(step, warning)
+            self._observe_health(step, values)
         if self._replay is not None:
-            self._decided(self._replay.observe(step, values))
+            self._decided(self._replay.observe(step, values, complete=True))
+        if mark:
+            self._log.complete(step)
+        return step, dict(values)
+
+    def _observe_health(self, step: int, values: dict[str, float]) -> None:
+        """Feed the health check each step once: when its loss is tracked, or when the
+        step is complete."""
+        assert self._health is not None
+        if self._health_step == step:
+            return
+        self._health_step = step
+        for warning in self._health.observe(step, values):
+            self._log.note(step, warning)
 
     @property
     def replay(self) -> ReplayVerdict | None:
@@ -180,12 +242,14 @@ class RunRecord:
         return self._flush(strict=False)
 
     def finish(self) -> None:
-        """The end of the run's segment: decide a pending replay verdict, share it with
-        every rank, and write and fsync (or upload) the record. Collective.
+        """The end of the run's segment: complete the last step, decide a pending replay
+        verdict, share it with every rank, and write and fsync (or upload) the record.
+        Collective.
 
         Raises:
             CheckpointError: the record could not be written, naming where.
         """
+        self.complete()
         if self._replay is not None:
             self._decided(self._replay.finish())
             self._share_replay()

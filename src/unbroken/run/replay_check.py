@@ -127,21 +127,35 @@ class ReplayCheck:
         """A check that compares nothing (ranks other than 0): it shows rank 0's verdict."""
         return cls(verdict, {})
 
-    def observe(self, step: int, values: dict[str, float]) -> ReplayVerdict | None:
-        """Compare one tracked step; returns the verdict when it becomes final."""
+    def observe(
+        self, step: int, values: dict[str, float], *, complete: bool = True
+    ) -> ReplayVerdict | None:
+        """Compare one tracked step, ``values`` being every metric tracked for it so far;
+        returns the verdict when it becomes final.
+
+        A step may be tracked in several calls (the loss, then an evaluation):
+        ``complete`` is False while more calls may come (the next step, a save or the
+        end completes it). A value that differs is a difference at once; a recorded
+        metric not tracked again is one only once the step is complete; a step that
+        holds every recorded metric is compared (and counted) at once.
+        """
         v = self.verdict
-        if v.status != PENDING or not self._reference:
+        if v.status != PENDING or not self._reference or step in self._seen:
             return None
         expected = self._reference.get(step)
         if expected is not None:
-            self._seen.add(step)
-            v.compared_steps = len(self._seen)
-            found = _difference(expected, values)
+            found = _difference(expected, values, complete=complete)
             if found is not None:
+                self._seen.add(step)
+                v.compared_steps = len(self._seen)
                 v.status, v.step = DIFFERENT, step
                 v.metric, v.first_difference = found
                 logger.warning("%s", v)
                 return v
+            if not complete and not expected.keys() <= values.keys():
+                return None  # the step's other metrics may still come
+            self._seen.add(step)
+            v.compared_steps = len(self._seen)
         return self.finish() if step >= self._last else None
 
     def finish(self) -> ReplayVerdict | None:
@@ -157,11 +171,16 @@ class ReplayCheck:
         return v
 
 
-def _difference(expected: dict[str, float], got: dict[str, float]) -> tuple[str, str] | None:
+def _difference(
+    expected: dict[str, float], got: dict[str, float], *, complete: bool
+) -> tuple[str, str] | None:
+    """The first metric (by name) whose replayed value differs, or that the complete
+    step lacks; None if none."""
     for name in sorted(expected):
         if name not in got:
-            return name, "recorded, but not tracked in the replay"
-        if not bitwise.same_float(expected[name], got[name]):
+            if complete:
+                return name, "recorded, but not tracked in the replay"
+        elif not bitwise.same_float(expected[name], got[name]):
             return name, f"recorded {expected[name]!r}, replayed {got[name]!r}"
     return None
 
@@ -197,11 +216,14 @@ def _reference(
     ours = [(seg, step, m) for seg, step, m in later if cont.continues(seg)]
     if not ours:
         return {}, None
-    reference = {
-        step: {k: float(v) for k, v in m.items()}
-        for seg, step, m in ours
-        if headers.get(seg, {}).get("world_size") == world_size
-    }
+    reference: dict[int, dict[str, float]] = {}
+    owner: dict[int, str] = {}  # step -> the segment whose lines it holds
+    for seg, step, m in ours:
+        if headers.get(seg, {}).get("world_size") != world_size:
+            continue
+        if owner.get(step) != seg:  # a later segment recomputed the step: its lines
+            reference[step], owner[step] = {}, seg
+        reference[step].update({k: float(v) for k, v in m.items()})  # one step, many calls
     if not reference:
         recorded = sorted({str(headers.get(seg, {}).get("world_size", "?")) for seg, _, _ in ours})
         return {}, (

@@ -147,6 +147,7 @@ class Run:
 
     def restored(self, done: Resumed, *, reset: set[str], skip: set[str]) -> None:
         """* ``restore()`` finished: a fresh start, or a checkpoint loaded."""
+        self._forward(self.record.complete())  # a step tracked before the restore
         if collective.rank() == 0:  # the steps now (a leftover put back included) are ours
             self.claim.restored(done.step if done.doc is not None else None)
         if done.doc is None:  # a fresh start: rank 0's new id is every rank's
@@ -192,6 +193,7 @@ class Run:
         """* A save of ``step`` begins: the run's id decided if no restore did, the
         abandoned steps of a branch listed, the replay verdict so far recorded, all in
         the lineage the save writes."""
+        self._forward(self.record.complete())  # the save completes the step tracked last
         if self._first_step is not None and self._first_step.done:
             self._first_step.close()  # checked: its hooks go (outside any optimizer step)
             self._first_step = None
@@ -242,13 +244,21 @@ class Run:
     # -- the training loop -------------------------------------------------------------
 
     def track(self, step: int, metrics: dict[str, float | torch.Tensor]) -> None:
-        """Record one step's metrics; rank 0 forwards them to the trackers. Refused
-        (``CheckpointError``) before ``restore()`` on a folder holding checkpoints."""
+        """Record metrics of ``step``; rank 0 forwards each step to the trackers once it
+        is complete (another step is tracked, a save, the end), all its metrics in one
+        record. Refused (``CheckpointError``) before ``restore()`` on a folder holding
+        checkpoints."""
         if not self._tracking:
             self._refuse_tracking_before_restore(step)
             self._tracking = True
-        self.record.track(step, metrics)
-        self._trackers.log(step, metrics, run_id=self._lineage.events[0]["run"])
+        if self.record.pending not in (None, step):  # forwarded before this step is judged
+            self._forward(self.record.complete(mark=False))
+        self._forward(self.record.track(step, metrics))
+
+    def _forward(self, done: tuple[int, dict[str, float]] | None) -> None:
+        """Forward a completed step to the trackers (rank 0's; the others hold none)."""
+        if done is not None:
+            self._trackers.log(*done, run_id=self._lineage.events[0]["run"])
 
     def _refuse_tracking_before_restore(self, step: int) -> None:
         if self._lineage.run_id is not None or self._fork == -1:  # restored, saved, overwrite
@@ -275,6 +285,7 @@ class Run:
     def finish(self) -> None:
         """* The end of this Checkpointer's part of the run: the replay verdict decided
         and shared, the record written (``CheckpointError`` if it cannot be)."""
+        self._forward(self.record.complete())
         self.record.finish()
 
     def release(self) -> None:
@@ -282,6 +293,10 @@ class Run:
         failed): the trackers (a verdict decided by ``finish`` forwarded first), the
         record's file, the folder's run lock, the optimizer hooks; background deletions
         waited for. Local; safe to call more than once."""
+        try:  # a step still incomplete (no finish: a save failed) reaches the trackers
+            self._forward(self.record.complete())
+        except Exception as exc:  # letting go must go on
+            logger.warning("the last tracked step could not be completed at close: %s", exc)
         self._trackers.close()
         self.record.close()
         self.claim.release()

@@ -5,7 +5,7 @@ them through a :class:`TrackerHub`, on rank 0 only, and never imports a tracker'
 package (``unbroken.integrations.trackers`` holds the TensorBoard and W&B ones)::
 
     start(run_id, resume_step, tracked_upto)   restore() (or the first track() without one)
-    log(step, metrics)                          each track(), the values as recorded
+    log(step, metrics)                          each step once complete, all its metrics
     verdict(step, verdict)                      once the replay check of a resume is decided
     close()                                     close()
 
@@ -17,6 +17,12 @@ steps drops what it holds after ``resume_step`` (TensorBoard's ``purge_step``); 
 only appends skips the steps up to ``tracked_upto`` (W&B), whose recomputed values the
 replay check compares bit for bit with the forwarded ones. Either way each step is
 logged once.
+
+A step may be tracked in several calls (``track(step, loss=...)``, then
+``track(step, eval_loss=...)``): it is complete when another step is tracked, at a save
+or at ``close()``, and only then forwarded, as one record holding every metric tracked
+for it (W&B keeps one row per step). A process killed while tracking a step had not
+forwarded it: ``tracked_upto`` counts the steps the record shows complete.
 
 A tracker that raises is named in a logged warning and left out for the rest of the
 Checkpointer's life: a dashboard's failure never stops training or a save.
@@ -55,7 +61,8 @@ class Tracker(Protocol):
         ...
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """One tracked step's metrics, as ``Checkpointer.track`` recorded them (floats)."""
+        """One complete step's metrics, every one ``Checkpointer.track`` recorded for it
+        (floats; a step tracked in several calls arrives once, merged)."""
         ...
 
     def verdict(self, step: int, verdict: ReplayVerdict) -> None:
@@ -135,7 +142,7 @@ class TrackerHub:
         self._verdict()  # decided already at the restore: skipped, or nothing to compare
 
     def log(self, step: int, metrics: Mapping[str, Any], *, run_id: str) -> None:
-        """Forward one tracked step (``track``'s metrics, checked already), then the
+        """Forward one complete step (all its metrics, checked already), then the
         resume's verdict if it is now decided. Trackers not started yet (no restore())
         start first, as a fresh run ``run_id``."""
         if not self._trackers:
@@ -186,9 +193,15 @@ def _call(tracker: Tracker, method: str, *args: Any) -> bool:
         return False
 
 
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 def tracked_upto(root: Location, resume_step: int) -> int:
-    """The last step the run recorded in ``root``'s metrics record (at least
-    ``resume_step``): the steps an earlier process of the run tracked, and so forwarded.
+    """The last step the run recorded in ``root``'s metrics record as complete (at
+    least ``resume_step``): the steps an earlier process of the run forwarded. A step is
+    forwarded once complete (another step tracked after it, or a ``complete`` line: a
+    save, the end), so a process killed while tracking a step had not forwarded it.
 
     Steps of a run that this one replaced (``overwrite=True``) and steps a Checkpointer
     withdrew (it lost the folder to another run) do not count. An unreadable record
@@ -205,13 +218,28 @@ def tracked_upto(root: Location, resume_step: int) -> int:
         return resume_step
     withdrawn = retractions(records)
     last = resume_step
+    marking: set[str] = set()  # segments that mark a step complete (not older versions)
+    open_step: dict[str, int] = {}  # segment -> its step tracked last, maybe incomplete
     for line in records:
         segment = line.get("segment")
         if segment in withdrawn and is_withdrawn(line, withdrawn[segment]):
             continue
         if line.get("replaces") is True:
             last = resume_step  # the series begins anew: the run replaced was another
-        step = line.get("step")
-        if isinstance(step, int) and not isinstance(step, bool) and "metrics" in line:
-            last = max(last, step)
+            open_step.clear()
+        if "resumed_from" in line and line.get("marks_complete") is True:
+            marking.add(segment)
+        done, step = line.get("complete"), line.get("step")
+        if _is_int(done):  # a save or the end completed the step: it was forwarded
+            kept = withdrawn.get(segment, done) if segment in withdrawn else done
+            last = max(last, done) if kept is not None and done <= kept else last
+            open_step.pop(segment, None)
+        elif _is_int(step) and "metrics" in line:
+            if segment not in marking:  # an older version forwarded each call at once
+                last = max(last, step)
+                continue
+            held = open_step.get(segment)
+            if held is not None and held != step:  # another step completed it
+                last = max(last, held)
+            open_step[segment] = step
     return last
