@@ -57,7 +57,7 @@ from contenders import (
 
 # Nothing public computes one tensor's fingerprint: the verification share times the
 # library's own function (the one a save and a restore call for every tensor).
-from unbroken.format.fingerprint import fingerprint
+from unbroken.format.fingerprint import V2, fingerprint
 
 SIZES, WIDTH, REPEATS = [300, 1200, 3000], 2048, 5
 
@@ -214,6 +214,8 @@ class Bench:
                  lambda: [x.clone() for x in t]),
             Case("fingerprints", "fingerprints, every tensor once",
                  lambda: [fingerprint(x) for x in t]),
+            Case("fingerprints_v2", "the same in the older wsum64-v2 format",
+                 lambda: [fingerprint(x, V2) for x in t]),
             Case("checksums", "xxh3-128 checksums, every tensor once",
                  lambda: [xxhash.xxh3_128_hexdigest(raw_bytes(x)) for x in t]),
         ]  # fmt: skip

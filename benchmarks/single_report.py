@@ -47,7 +47,7 @@ SAVE_ROWS = ["floor_write", "torch_save", "dcp_save_1", "dcp_save_2", "ours_save
              "async_first", "async_block", "async_commit"]  # fmt: skip
 RESTORE_ROWS = ["floor_read", "floor_read_new", "torch_load", "dcp_load", "dcp_load_fresh",
                 "ours_restore_fresh", "ours_restore"]  # fmt: skip
-OTHER_ROWS = ["copy", "clone", "fingerprints", "checksums"]
+OTHER_ROWS = ["copy", "clone", "fingerprints", "fingerprints_v2", "checksums"]
 FRESH_ROWS = {"dcp_load_fresh", "ours_restore_fresh"}  # compared with DCP into fresh objects
 HEADERS = ["what", "median s", "min-max s", "GB/s", "x (a)", "x (b)", "x (c)", "peak extra RSS"]
 LINEAR_ROWS = [
@@ -227,6 +227,13 @@ def size_tables(r: SizeResult) -> str:
             f"{(fp + xx) / restore_s:.0%} of ours' restore into fresh objects (a save computes "
             "both once per tensor, a restore checks every checksum and compares values; the "
             "profile, `--profile`, shows what the current code spends).",
+        ]
+    older = r.median("fingerprints_v2")
+    if fp is not None and older:
+        parts += [
+            "",
+            f"The fingerprint format new checkpoints record (mix64-v3, no structured blind "
+            f"spots) costs {fp / older:.2f}x the older wsum64-v2 here.",
         ]
     if r.fsdp is not None:
         parts += ["", fsdp_table(r)]
