@@ -15,7 +15,9 @@ What it saves, by component name (``docs/integrations/accelerate.md``):
   in the order they were prepared. DDP and FSDP wrappers are the Checkpointer's business.
 - ``dataloader``: each prepared loader's position, per rank, mid-epoch included, with its
   epoch counter (``iteration``, which Accelerate's own ``state_dict()`` leaves out and
-  which seeds a ``SeedableRandomSampler``'s shuffle).
+  which seeds a ``SeedableRandomSampler``'s shuffle). A loader saved on its epoch's last
+  batch, its ``for`` loop not yet ended, resumes there: its next pass hands out nothing
+  and counts the epoch, so the code after the loop (an evaluation) runs on resume.
 - ``custom_0``, ``custom_1``...: the objects given to ``accelerator.register_for_checkpointing``.
 - ``accelerator``: ``accelerator.step``, the counter gradient accumulation syncs on.
 - ``scaler``: ``accelerator.scaler`` (mixed precision with a GradScaler), if any.
