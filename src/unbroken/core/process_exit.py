@@ -16,7 +16,8 @@ what ``Accelerator.end_training()`` calls) is not enough alone: it forgets the g
 a group's worker threads are joined only by its destructor, which runs once nothing
 refers to the group, and a DDP module or a cache still does at exit (measured: torch 2.13,
 both workers alive after it). So the hook registered here, at exit, destroys the default
-group if the script left it, then waits until every gloo worker thread of the process
+group if the script left it (not after an uncaught exception: other ranks may still be
+in a collective), then waits until every gloo worker thread of the process
 has stayed asleep, without running, for a short while: each has released its last work,
 and nothing is left for finalization. A collective still in flight at exit (started with
 ``async_op=True`` and never waited for) is not covered: no thread is idle while it runs.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import time
 
 import torch.distributed as dist
@@ -52,7 +54,9 @@ def register() -> None:
 
 
 def _at_exit() -> None:
-    if dist.is_available() and dist.is_initialized():
+    # After an uncaught exception other ranks may still be inside a collective, where a
+    # teardown can deadlock (NCCL; torchtitan destroys only after a clean end too).
+    if dist.is_available() and dist.is_initialized() and not _exiting_on_error():
         try:
             dist.destroy_process_group()
         except Exception as exc:  # at exit there is no one to raise to
@@ -63,6 +67,11 @@ def _at_exit() -> None:
             "process may abort at exit (SIGABRT) although its work is done",
             BOUND_S,
         )
+
+
+def _exiting_on_error() -> bool:
+    """Whether the script ended on an uncaught exception (Python keeps it in ``sys``)."""
+    return any(getattr(sys, name, None) is not None for name in ("last_exc", "last_value"))
 
 
 def wait_for_idle_workers(*, quiet_s: float = QUIET_S, bound_s: float = BOUND_S) -> bool:
