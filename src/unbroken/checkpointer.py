@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core import background, resuming, saving
+from .core import background, process_exit, resuming, saving
 from .core.collective import any_rank, rank
 from .errors import CheckpointError
 from .live import gradients as grads
@@ -33,6 +33,9 @@ class Checkpointer:
     Every call that touches checkpoints (``save``, ``restore``, ``should_stop``) is
     collective: under ``torch.distributed`` all ranks must make it, in the same order.
     Not thread-safe: use one Checkpointer from the training loop's thread.
+    At interpreter exit it destroys the default process group if the script left it, and
+    waits until gloo's worker threads are idle, so that none aborts the finalizing
+    interpreter (core/process_exit.py).
 
     One run per folder: a save finding steps that another run committed since this
     Checkpointer started or restored is refused naming both runs (run/ownership.py).
@@ -140,6 +143,7 @@ class Checkpointer:
             trackers=trackers,
         )
         self._noted_per_rank: set[str] = set()  # shared components found to differ by rank
+        process_exit.register()  # no framework collective may abort the exit
         self._stop = StopPolicy(agree=any_rank)
         self._closed = False
         mode = background.check_mode(async_save)

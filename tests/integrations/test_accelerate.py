@@ -83,17 +83,19 @@ def test_a_resume_without_the_loader_epoch_is_caught(one_process, tmp_path):
     """F3, the Accelerate-specific form: ``DataLoaderShard.state_dict()`` (all that
     ``accelerator.save_state`` keeps of a stateful loader) lacks the epoch counter that
     seeds the shuffle. Restoring the position without it replays epoch 0's order in
-    epoch 1; the comparison with the straight run names the first step after the stop."""
+    epoch 1; the comparison with the straight run names the first step after the stop.
+    The stop is at step 18, inside epoch 1 (a stop on epoch 0's last batch resumes in
+    epoch 0, at its end, where the counter says nothing yet)."""
     command = [sys.executable, str(LOST_EPOCH), str(tmp_path), *STEPS]
     stopped = subprocess.run(
-        command, env={**ENV, "UNBROKEN_STOP_AT": "16"}, capture_output=True, text=True, timeout=120
+        command, env={**ENV, "UNBROKEN_STOP_AT": "18"}, capture_output=True, text=True, timeout=120
     )
     assert stopped.returncode == 0, stopped.stderr
     resumed = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr
-    result = compare(one_process / "straight", tmp_path, stop_at=16, exact=True)
+    result = compare(one_process / "straight", tmp_path, stop_at=18, exact=True)
     assert not result.passed
-    assert result.first_difference_step == 17, result.first_difference
+    assert result.first_difference_step == 19, result.first_difference
     assert result.state_differences
 
 

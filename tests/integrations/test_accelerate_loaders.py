@@ -36,17 +36,34 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNI
 
 
 @pytest.mark.parametrize(
-    ("loaders", "stop_at"),
-    [("train", 30), ("train", 16), ("all", 16)],
-    ids=["eval-left-out-mid-epoch", "eval-left-out-epoch-end", "all-loaders-epoch-end"],
+    ("loaders", "stop_at", "options"),
+    [
+        ("train", 30, []),
+        ("train", 16, []),
+        ("all", 16, []),
+        ("all", 16, ["--save-in-loop"]),
+    ],
+    ids=[
+        "eval-left-out-mid-epoch",
+        "eval-left-out-epoch-end",
+        "all-loaders-epoch-end",
+        "all-loaders-saved-before-the-epochs-evaluation",
+    ],
 )
-def test_a_script_with_an_evaluation_loader_resumes_bit_exact(tmp_path, loaders, stop_at):
+def test_a_script_with_an_evaluation_loader_resumes_bit_exact(tmp_path, loaders, stop_at, options):
     """Both bugs above, end to end: step 30 falls mid-epoch after three evaluations; step
     16 is an epoch's last step, whose evaluation runs before the save. The resumed run's
-    training and evaluation losses and its final state equal the straight run's."""
+    training and evaluation losses and its final state equal the straight run's.
+
+    Issue 36 item 15, the last case: saved and stopped inside the training loop on an
+    epoch's last step, as Accelerate's ``examples/by_feature/checkpointing.py`` saves,
+    before that epoch's evaluation. The restored loader resumed in the next epoch, so the
+    resumed run skipped that evaluation (its loader's new iterator draws a seed from
+    torch's RNG): DIFFERENT from step 17, ``dataloader/1/unbroken:next_epoch: 2 vs 1``.
+    Now its next pass ends the interrupted epoch, and the evaluation runs as it did."""
     cli = [sys.executable, "-m", "unbroken.cli", "resume-test", "--stop-at", str(stop_at)]
     cli += ["--workdir", str(tmp_path), "--json", "--timeout", "120", "--parallel"]
-    command = [*cli, "--", sys.executable, str(SCRIPT), "{dir}", "--loaders", loaders]
+    command = [*cli, "--", sys.executable, str(SCRIPT), "{dir}", "--loaders", loaders, *options]
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, env=ENV, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads(done.stdout)
@@ -107,16 +124,31 @@ def test_a_loader_saved_after_its_pass_ended_resumes_in_the_next_epoch(fresh_acc
     _resumes_in_epoch_1(fresh_accelerator, tmp_path, straight=_one_pass(loader))
 
 
-def test_a_loader_saved_on_its_last_batch_resumes_in_the_next_epoch(fresh_accelerator, tmp_path):
+def test_a_loader_saved_on_its_last_batch_ends_its_epoch_then_goes_on(fresh_accelerator, tmp_path):
     """Saved inside the loop on the pass's last batch (Accelerate has not counted the epoch
-    yet), then the loop goes on to its end: the resumed loader starts epoch 1 too."""
+    yet), then the loop goes on to its end. The restored loader is where the saved one
+    was: in epoch 0, its next pass hands out nothing and counts the epoch (so the code
+    after a resumed loop runs, issue 36 item 15), and the pass after it is the straight
+    loader's epoch 1. A save made before that empty pass keeps the same position."""
     _, _, loader = _prepare(acc := fresh_accelerator())
     ckpt = checkpointer_for(acc, tmp_path)
     for _ in loader:
         if acc.gradient_state.end_of_dataloader:
             ckpt.save(1)
     ckpt.close()
-    _resumes_in_epoch_1(fresh_accelerator, tmp_path, straight=_one_pass(loader))
+    straight = _one_pass(loader)
+
+    for step in (1, 2):  # step 2: saved by the first resumed run before its empty pass
+        _, _, resumed = _prepare(acc := fresh_accelerator())
+        ckpt = checkpointer_for(acc, tmp_path)
+        assert ckpt.restore().step == step
+        assert resumed.iteration == 0
+        if step == 1:
+            ckpt.save(2)
+        assert _one_pass(resumed) == [] and resumed.iteration == 1
+        assert all(map(torch.equal, _one_pass(resumed), straight))
+        assert resumed.iteration == 2
+        ckpt.close()
 
 
 def test_a_left_out_loader_keeps_the_random_draws_of_its_passes(fresh_accelerator, tmp_path):

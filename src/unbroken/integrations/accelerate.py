@@ -15,7 +15,9 @@ What it saves, by component name (``docs/integrations/accelerate.md``):
   in the order they were prepared. DDP and FSDP wrappers are the Checkpointer's business.
 - ``dataloader``: each prepared loader's position, per rank, mid-epoch included, with its
   epoch counter (``iteration``, which Accelerate's own ``state_dict()`` leaves out and
-  which seeds a ``SeedableRandomSampler``'s shuffle).
+  which seeds a ``SeedableRandomSampler``'s shuffle). A loader saved on its epoch's last
+  batch, its ``for`` loop not yet ended, resumes there: its next pass hands out nothing
+  and counts the epoch, so the code after the loop (an evaluation) runs on resume.
 - ``custom_0``, ``custom_1``...: the objects given to ``accelerator.register_for_checkpointing``.
 - ``accelerator``: ``accelerator.step``, the counter gradient accumulation syncs on.
 - ``scaler``: ``accelerator.scaler`` (mixed precision with a GradScaler), if any.
@@ -42,7 +44,8 @@ __all__ = ["checkpointer_for"]
 # Components this module adds; a user's ``extra`` may not reuse them.
 ACCELERATE_COMPONENTS = ("accelerator", "scaler")
 ITERATION_KEY = "unbroken:iteration"  # older checkpoints: the counter as it was at save
-NEXT_EPOCH_KEY = "unbroken:next_epoch"
+NEXT_EPOCH_KEY = "unbroken:next_epoch"  # the epoch of the next batches handed out
+EPOCH_END_KEY = "unbroken:epoch_end_pending"
 GENERATOR_KEY = "unbroken:generator"
 FINISHED_KEY = "_iterator_finished"
 
@@ -240,6 +243,7 @@ class _PreparedLoader:
         _check_restorable(loader, label)
         self._loader = loader
         self._label = label
+        self._ending: _EpochEnd | None = None
 
     def _base(self) -> Any:
         return self._loader.base_dataloader
@@ -250,40 +254,88 @@ class _PreparedLoader:
 
     def state_dict(self) -> dict[str, Any]:
         state = dict(self._loader.state_dict())
-        state[NEXT_EPOCH_KEY] = self._next_epoch(state)
+        epoch, ending = self._position(state)
+        state[NEXT_EPOCH_KEY] = epoch + ending
+        state[EPOCH_END_KEY] = ending
         g = self._generator()
         if g is not None:
             state[GENERATOR_KEY] = g.get_state()
         return state
 
-    def _next_epoch(self, state: Mapping[str, Any]) -> int:
-        """The epoch the loader's next pass runs: its counter, plus one when its last batch
-        has been handed out but its pass has not ended yet. Accelerate counts an epoch
-        when the ``for`` loop asks for a batch after the last one; until then (inside the
-        loop, or after a ``break`` on the last batch) the counter lags by one."""
+    def _position(self, state: Mapping[str, Any]) -> tuple[int, bool]:
+        """The loader's epoch counter, and whether its pass has handed out its last batch
+        but not ended yet. Accelerate counts an epoch when the ``for`` loop asks for a
+        batch after the last one; until then (inside the loop, or after a ``break`` on
+        the last batch) the code after the loop, such as an evaluation, has not run."""
         epoch = int(getattr(self._loader, "iteration", 0))
+        if self._ending is not None and self._ending.pending():
+            return epoch, True  # restored at such a point, and not iterated since
         if not state.get(FINISHED_KEY):
-            return epoch
+            return epoch, False
         references = getattr(self._loader.gradient_state, "dataloader_references", ())
-        return epoch + any(ref is self._loader for ref in references)
+        return epoch, any(ref is self._loader for ref in references)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         state = dict(state)
+        ending = bool(state.pop(EPOCH_END_KEY, False))
         if NEXT_EPOCH_KEY in state:
-            epoch = int(state.pop(NEXT_EPOCH_KEY))
+            epoch = int(state.pop(NEXT_EPOCH_KEY)) - ending
         else:  # saved by an older unbroken: the counter as it was, the epoch not yet counted
             epoch = int(state.pop(ITERATION_KEY)) + bool(state.get(FINISHED_KEY))
         generator = state.pop(GENERATOR_KEY, None)
         self._loader.iteration = epoch
-        self._base().load_state_dict(state)
+        base = self._base()
+        base.load_state_dict(state)
         self._loader.dl_state_dict = state
         # Make the resumed inner iterator now, inside restore(), before the rng component
         # is put back: making it draws a seed, which a resumed training loop would
         # otherwise draw from the restored RNG (shifting every later random draw).
-        self._base().state_dict()
+        base.state_dict()
+        self._ending = None
+        if ending:
+            self._ending = _EpochEnd(self._loader, base)
         g = self._generator()
         if g is not None and generator is not None:
             g.set_state(generator)
+
+
+class _EpochEnd:
+    """The inner iterator of a loader restored where its saved run had handed out the
+    epoch's last batch, its ``for`` loop not yet ended: the next pass hands out nothing
+    and counts the epoch, as that loop's next ``next()`` did in the saved run, so the
+    code after the loop (an evaluation, which draws from the RNG) runs in the resumed
+    run too. After it the loader makes a new iterator for the next epoch, as then.
+
+    It stands in for torchdata 0.11's ``StatefulDataLoader._iterator`` (made by
+    ``state_dict()``, taken up by the next ``iter()`` because it is not ``_finished``).
+    """
+
+    _finished = False
+
+    def __init__(self, loader: Any, base: Any) -> None:
+        self._loader = loader
+        self._base = base
+        self._inner = base._iterator
+        base._iterator = self
+
+    def pending(self) -> bool:
+        return self._base._iterator is self
+
+    def __iter__(self) -> _EpochEnd:
+        return self
+
+    def __next__(self) -> Any:
+        if self.pending():
+            self._base._iterator = self._inner  # finished: the next iter() makes a new one
+            if type(self._loader).__name__ != "DataLoaderDispatcher":  # counts empty passes
+                self._loader.iteration += 1
+        raise StopIteration
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._inner.state_dict()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 def _check_restorable(loader: Any, label: str) -> None:

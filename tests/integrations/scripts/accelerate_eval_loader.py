@@ -4,8 +4,11 @@ Shaped like Accelerate's own ``examples/by_feature/checkpointing.py``: the evalu
 is prepared beside the training one and runs (with ``accelerator.gather``) at the end of
 every epoch, and the script ends without tearing down the process group itself.
 
-    python accelerate_eval_loader.py DIR [--loaders all|train] [--steps N]
+    python accelerate_eval_loader.py DIR [--loaders all|train] [--steps N] [--save-in-loop]
 
+``--save-in-loop`` saves and stops inside the training loop as Accelerate's example does, on
+an epoch's last step too: before that epoch's evaluation, which a resumed run must then
+still run (the restored loader's next pass ends the epoch).
 ``--loaders train`` saves only the training loader's position (``dataloaders=[train]``); the
 evaluation loader then starts each pass over, and must still leave every later random draw
 (the dropout masks) where an uninterrupted run has it.
@@ -36,6 +39,7 @@ def main() -> None:
     parser.add_argument("dir")
     parser.add_argument("--loaders", choices=["all", "train"], default="all")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--save-in-loop", action="store_true")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
@@ -57,7 +61,7 @@ def main() -> None:
     ckpt = checkpointer_for(accelerator, args.dir, dataloaders=chosen)
     step = ckpt.restore().step
 
-    while step < args.steps:
+    while step < args.steps:  # one epoch a turn: the restored loader's next pass goes on
         model.train()
         for x, y in train:
             with accelerator.accumulate(model):
@@ -69,7 +73,7 @@ def main() -> None:
                 continue
             step += 1
             ckpt.track(step, loss=loss)
-            if accelerator.gradient_state.end_of_dataloader:
+            if accelerator.gradient_state.end_of_dataloader and not args.save_in_loop:
                 continue  # the epoch ends here: evaluate first, then save or stop
             if step % 5 == 0 or ckpt.should_stop(step):
                 ckpt.save(step)
