@@ -57,10 +57,6 @@ def build_state(
         for p in model.parameters():
             p.grad = torch.randn_like(p)
     opt.step()
-    # The gradients are spent, as after a training loop's zero_grad(): a checkpoint saved
-    # holding them (made before any Checkpointer watched the step) is a save in the
-    # middle of gradient accumulation, which checks and warns (docs/pitfalls.md).
-    opt.zero_grad(set_to_none=True)
     opt.zero_grad(set_to_none=True)
     synchronize(device)
     return model, opt
