@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from ._version import __version__
@@ -77,3 +78,10 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+if "torch" in sys.modules:
+    # A training process (torch is in already, so this costs no import time): watch
+    # optimizer steps from now on, so that a save made by a Checkpointer built later can
+    # tell gradients a step already used from pending accumulation (live/gradients.py).
+    importlib.import_module(".live.gradients", __name__)

@@ -148,7 +148,7 @@ class Checkpointer:
         self._closed = False
         mode = background.check_mode(async_save)
         self._saver = background.BackgroundSaver(mode, self._components) if mode else None
-        self._gradient_watch = grads.StepWatch()  # which gradients a step consumed
+        self._gradient_watch = grads.WATCH  # which gradients a step consumed (shared)
 
     @property
     def run_id(self) -> str:
@@ -302,7 +302,6 @@ class Checkpointer:
             self._run.finish()
         finally:
             self._run.release()
-            self._gradient_watch.close()
             self._stop.close()
             if self._saver is not None:
                 self._saver.close()

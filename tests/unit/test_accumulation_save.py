@@ -326,3 +326,18 @@ def test_a_hostile_gradients_record_is_damage(tmp_path, record, field):
         manifest.read(work / "step_00000002")
     report = Problem(seed=3).checkpointer(work).restore()
     assert report.step == 1 and any(field in w for w in report.warnings), report.warnings
+
+
+def test_steps_taken_before_the_checkpointer_existed_are_not_pending(tmp_path):
+    """No false alarm (issue 36, item 6): a run that trains a while before it builds its
+    Checkpointer (a warm-up, a Checkpointer made at the first save) holds gradients that
+    those steps used; the step watch runs from the import of unbroken, not from the
+    Checkpointer, so they are not taken for accumulation in progress."""
+    p = Problem()
+    for _ in range(3):
+        p.step()  # zero_grad() at the start of each step: the last gradients stay
+    assert all(q.grad is not None for q in p.model.parameters())
+    ckpt = p.checkpointer(tmp_path / "c")
+    ckpt.save(3)
+    assert not [w for w in ckpt.warnings if "gradient" in w], ckpt.warnings
+    ckpt.close()

@@ -36,9 +36,18 @@ def _shard(ckpt_dir, step=2):
         (lambda f: f.write_bytes(_flip(f.read_bytes(), 40)), "fail their checksum"),
         (lambda f: (f.parent / "rank_00001.bin").write_bytes(b"x"), "rank_00001.bin"),
         (lambda f: tamper.alter(f.parent, '"step": 2', '"step": 3'), "manifest was altered"),
-        (lambda f: (f.parent / "manifest.json").write_text("{not json"), "not valid JSON"),
+        (lambda f: (f.parent / "manifest.json").write_text("{not json" * 10), "not valid JSON"),
+        (lambda f: (f.parent / "manifest.json").write_text("{not json"), "too short"),
     ],
-    ids=["truncated", "missing", "bit-flip", "extra-file", "manifest-altered", "manifest-garbage"],
+    ids=[
+        "truncated",
+        "missing",
+        "bit-flip",
+        "extra-file",
+        "manifest-altered",
+        "manifest-garbage",
+        "manifest-stub",
+    ],
 )
 def test_damaged_checkpoint_is_refused_naming_the_file(ckpt_dir, damage, match):
     _two_saves(ckpt_dir)

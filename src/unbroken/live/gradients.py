@@ -161,6 +161,12 @@ class StepWatch:
         self._seen.clear()
 
 
+# One watch for the process, from the import of unbroken on: a step taken before the
+# Checkpointer was made (a warm-up, a run that builds it at its first save) is seen too,
+# where a watch of the Checkpointer's own would take its gradients for pending work.
+WATCH = StepWatch()
+
+
 def _versions(g: torch.Tensor) -> tuple[int, int]:
     # A DTensor's in-place ops advance its own counter, writes into its shard only the
     # shard's: both are watched.
