@@ -20,7 +20,7 @@ def test_demo_short(tmp_path):
         capture_output=True, text=True, timeout=400, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "IDENTICAL" in done.stdout and "optimizer reset: caught" in done.stdout
-    assert "lost optimizer state suspected" in done.stdout
+    assert "IDENTICAL" in done.stdout and "optimizer reset: caught" in done.stdout, done.stdout
+    assert "lost optimizer state suspected" in done.stdout, done.stdout
     for run in ("correct", "buggy"):
         assert (out / run / "resume-test.png").stat().st_size > 10_000
