@@ -50,8 +50,9 @@ def test_the_process_group_is_torn_down_before_the_interpreter_finalizes(tmp_pat
     (``accelerator.gather``: not ours, so not waited for) after finalization began. The
     Checkpointer now registers an exit hook that destroys the default group the script
     left and waits until every gloo worker thread is asleep. The script's own last exit
-    hook sees that: the group gone, each worker asleep (``S``). Before, the group was
-    still there when the interpreter finalized."""
+    hook sees that: the group gone, each worker asleep (``S``) or already joined (none
+    left: torch 2.14 sometimes frees the group at once). Before, the group was still there
+    when the interpreter finalized."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -63,4 +64,4 @@ def test_the_process_group_is_torn_down_before_the_interpreter_finalizes(tmp_pat
     assert len(seen) == 2, done.stdout
     for initialized, workers in seen:
         assert initialized == "False", done.stdout
-        assert workers and set(workers) == {"S"}, done.stdout
+        assert set(workers) <= {"S"}, done.stdout  # none running, none in a syscall
