@@ -211,7 +211,7 @@ def test_gpu_large_tensor_one_host_sync():
     """On a GPU: a tensor of several slabs (default size) equals NumPy's digest, and the
     only synchronization with the host is the final ``.item()``."""
     t = _random((100 << 20,), torch.uint8, device=torch.device("cuda"))
-    want = fp.partial(t.cpu(), t.shape, [0])
+    want = fp.partial(t.cpu(), t.shape, [0], fp.V2)  # this module's format, wsum64-v2
     dfp.partial_on_device(t[3:], t.shape, [3])  # T and the byte places made and cached
     torch.cuda.set_sync_debug_mode("warn")
     try:

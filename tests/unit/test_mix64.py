@@ -226,3 +226,32 @@ def test_gpu_pieces_equal_the_host_kernel(dtype, monkeypatch):
         for layout in _layouts():
             parts = [fp.partial(on_gpu[s], t.shape, list(off)) for s, off in layout]
             assert fp.combine(parts) == whole, layout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32], ids=str)
+def test_gpu_large_tensor_equals_the_host_and_syncs_once(dtype):
+    """On a GPU: a tensor of several slabs (default slab size), whole and as a Shard(1)
+    half, gives the host kernel's digest; only the final ``.item()`` waits for the device."""
+    import warnings
+
+    g = torch.Generator().manual_seed(9)
+    host = torch.randint(0, 256, (96 << 20,), dtype=torch.uint8, generator=g).view(dtype)
+    host = host.view(-1, 1024 // host.element_size())
+    gpu = host.cuda()
+    half = host.shape[1] // 2
+    want_whole = mix64.partial(host, host.shape, [0, 0])
+    want_half = mix64.partial(host[:, half:], host.shape, [0, half])
+    mix64.partial_torch(gpu[:8], host.shape, [0, 0])  # warm-up outside the watched calls
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got_whole = mix64.partial_torch(gpu, host.shape, [0, 0])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert got_whole == want_whole
+    assert mix64.partial_torch(gpu[:, half:], host.shape, [0, half]) == want_half
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, [str(w.message) for w in syncs]
