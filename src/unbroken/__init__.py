@@ -18,6 +18,7 @@ from .report import RestoreReport
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer
+    from .tiers.config import LocalTier
     from .tools.comparison import DiffReport, diff_checkpoints
     from .tools.exporting import ExportResult, export_checkpoint
     from .tools.importing import ImportResult, import_checkpoint
@@ -35,6 +36,7 @@ __all__ = [
     "ExportResult",
     "ImportResult",
     "IncompleteCheckpointError",
+    "LocalTier",
     "RestoreReport",
     "RunInspection",
     "StateMismatchError",
@@ -57,6 +59,7 @@ _LAZY = {
     "DiffReport": ".tools.comparison",
     "ExportResult": ".tools.exporting",
     "ImportResult": ".tools.importing",
+    "LocalTier": ".tiers.config",
     "RunInspection": ".tools.inspection",
     "VerifyReport": ".tools.verification",
     "diff_checkpoints": ".tools.comparison",

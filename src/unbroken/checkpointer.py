@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .core import background, process_exit, resuming, saving
+from .core import background, collective, process_exit, restoring, resuming, saving
 from .core.collective import any_rank, rank
 from .errors import CheckpointError
 from .live import gradients as grads
@@ -23,6 +23,10 @@ from .run.replay_check import ReplayVerdict
 from .run.run import Run
 from .run.trackers import Tracker
 from .storage.locate import checkpoint_dir, pinned
+from .tiers import local_restore, local_save
+from .tiers.config import LocalTier
+from .tiers.local_save import LocalSaveSkipped
+from .tiers.store import LocalStore, estimate_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +96,13 @@ class Checkpointer:
             (the component ``gradients``) and restored bit for bit, so a stop between
             micro-batches resumes exactly; with ``zero_grad(set_to_none=True)`` (torch's
             default) a save at a step boundary holds none and costs nothing more.
+        local: a :class:`LocalTier`: a second tier of checkpoints in each node's memory,
+            replicated on peer nodes (docs/tiers.md). ``save(step, tier="local")`` writes
+            there; ``restore()`` takes the newest step that is complete across the
+            surviving nodes when it is newer than the newest persistent one, verified
+            like any restore, else falls back (loudly) to the persistent tier.
+            Constructing it is collective (the nodes are found, each node's folder is
+            checked: writable, in local memory, one job's, with room).
 
     Example::
 
@@ -121,6 +132,7 @@ class Checkpointer:
         grad_norm_metric: str | None = "grad_norm",
         trackers: Sequence[Tracker] | None = None,
         gradients: str = "warn",
+        local: LocalTier | None = None,
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
@@ -146,6 +158,13 @@ class Checkpointer:
         process_exit.register()  # no framework collective may abort the exit
         self._stop = StopPolicy(agree=any_rank)
         self._closed = False
+        if local is not None and not isinstance(local, LocalTier):
+            raise TypeError(f"local must be a ub.LocalTier, got {type(local).__name__}")
+        self._local = (
+            LocalStore(local, str(self._dir.root), estimate_bytes(model, optimizer is not None))
+            if local is not None
+            else None
+        )
         mode = background.check_mode(async_save)
         self._saver = background.BackgroundSaver(mode, self._components) if mode else None
         self._gradient_watch = grads.WATCH  # which gradients a step consumed (shared)
@@ -161,8 +180,13 @@ class Checkpointer:
         """The run folder, as resolved when this Checkpointer was made (absolute)."""
         return str(self._dir.root)
 
-    def steps(self) -> list[int]:
-        """Committed steps, ascending."""
+    def steps(self, tier: str = "persistent") -> list[int]:
+        """Committed steps, ascending; ``tier="local"``: the local steps every node has
+        committed (collective)."""
+        if tier == "local":
+            return self._local_store().steps()
+        if tier != "persistent":
+            raise ValueError(f'tier must be "persistent" or "local", got {tier!r}')
         return self._dir.steps()
 
     def latest_step(self) -> int | None:
@@ -170,8 +194,13 @@ class Checkpointer:
         steps = self.steps()
         return steps[-1] if steps else None
 
-    def save(self, step: int) -> str:
+    def save(self, step: int, tier: str = "persistent") -> str:
         """Save the whole training state as checkpoint ``step`` and commit it.
+
+        ``tier="local"``: into the local tier only (``local=LocalTier(...)``): each node's
+        folder in memory, replicated on peer nodes behind training. A local save that
+        cannot fit or fails is not committed anywhere and warns (:attr:`warnings`): it
+        never stops training and never touches the persistent tier.
 
         Returns the committed folder. Collective. Raises ``CheckpointError`` (and leaves
         every committed checkpoint untouched) if anything fails, among others when the
@@ -185,26 +214,51 @@ class Checkpointer:
         """
         self._check_open()
         step = as_step(step)
+        if tier not in ("persistent", "local"):
+            raise ValueError(f'tier must be "persistent" or "local", got {tier!r}')
+        local = tier == "local"
+        store = self._local_store() if local else None
         record = probe.record(self._probe, self._model) if self._probe is not None else None
         self.wait()
         request = saving.SaveRequest(
             step=step,
             components=self._components,
-            run=self._run.begin_save(step),
+            run=self._run.begin_save(step, local=local),
             probe=record,
             noted_per_rank=self._noted_per_rank,
             gradient_watch=self._gradient_watch,
         )
+        finish = self._finish_save if store is None else self._finish_local
         if self._saver is None:
-            self._finish_save(saving.stage(request))
+            finish(saving.stage(request))
         else:
             staged = saving.stage(request, self._saver.buffers, self._saver.defer())
-            self._saver.submit(staged, self._finish_save)
+            self._saver.submit(staged, finish)
+        if store is not None:
+            return str(store.folder.step_path(step))
         return str(self._dir.step_path(step))
 
     def _finish_save(self, staged: saving.Staged) -> None:
         saving.write(self._dir, staged)
         self._run.committed(staged.request.step, staged.warnings)
+
+    def _finish_local(self, staged: saving.Staged) -> None:
+        store = self._local_store()
+        try:
+            _, warnings = local_save.save(store, staged)
+        except LocalSaveSkipped as exc:
+            if rank() == 0:
+                logger.warning("%s", exc)
+            self._run.committed(staged.request.step, [str(exc)], local=True)
+            return
+        self._run.committed(staged.request.step, warnings, local=True)
+
+    def _local_store(self) -> LocalStore:
+        if self._local is None:
+            raise CheckpointError(
+                'tier="local" needs a local tier: pass local=ub.LocalTier(...) to the Checkpointer'
+            )
+        return self._local
 
     def wait(self) -> None:
         """Wait for an in-flight asynchronous save; raise its error if it failed.
@@ -215,6 +269,13 @@ class Checkpointer:
         """
         if self._saver is not None:
             self._saver.wait()
+
+    def wait_replicated(self) -> None:
+        """Wait until every local step saved so far is copied to its peer nodes (local to
+        this rank; without a local tier, returns at once)."""
+        self.wait()
+        if self._local is not None:
+            self._local.wait()
 
     def restore(
         self,
@@ -245,17 +306,33 @@ class Checkpointer:
         self._check_open()
         self.wait()
         reset_set, skip_set = set(reset or ()), set(skip or ())
-        done = resuming.resume(
-            self._dir,
-            self._components,
-            step=step,
-            reset=reset_set,
-            skip=skip_set,
-            require=resuming.require_from_env(require),
-            ignore=self._overwrite,
-            probe_fn=self._probe,
-            model=self._model,
-        )
+        done, local_notes = None, []
+        if self._local is not None and step is None and not self._overwrite:
+            resuming.check_names(self._components, reset_set, skip_set)
+            newest = collective.on_rank0(self.latest_step)
+            request = restoring.RestoreRequest(reset_set, skip_set, self._probe, self._model)
+            done, local_notes = local_restore.restore(
+                self._local, newest, self._components, request
+            )
+            if done is None and local_notes and rank() == 0:
+                for note in local_notes:
+                    logger.warning("%s", note)
+        if done is None:
+            done = resuming.resume(
+                self._dir,
+                self._components,
+                step=step,
+                reset=reset_set,
+                skip=skip_set,
+                require=resuming.require_from_env(require),
+                ignore=self._overwrite,
+                probe_fn=self._probe,
+                model=self._model,
+            )
+            if local_notes:
+                done.report.warnings[:0] = local_notes
+        if self._local is not None:
+            self._local.drop_newer(done.step or 0)
         if done.doc is not None and rank() == 0:
             logger.info("%s", done.report)
         self._run.restored(done, reset=reset_set, skip=skip_set)
@@ -305,6 +382,8 @@ class Checkpointer:
             self._stop.close()
             if self._saver is not None:
                 self._saver.close()
+            if self._local is not None:
+                self._local.close()
 
     def __enter__(self) -> Checkpointer:
         return self

@@ -28,6 +28,10 @@ class RestoreReport:
         searched: the folder the restore looked in.
         found: on a fresh start, what it found there (does not exist, empty, another
             tool's files).
+        source: where the restored state came from: ``"local"`` (the local tier, each
+            node's own memory), ``"peer"`` (the local tier, some files fetched from
+            another node's copy), ``"persistent"`` (the checkpoint folder); None on a
+            fresh start.
     """
 
     step: int = 0
@@ -41,6 +45,7 @@ class RestoreReport:
     warnings: list[str] = dataclasses.field(default_factory=list)
     searched: str | None = None
     found: str | None = None
+    source: str | None = None
 
     @property
     def headline(self) -> str:
@@ -53,7 +58,10 @@ class RestoreReport:
         again = (
             f", resharded {self.saved_world_size} -> {self.world_size}" if self.resharded else ""
         )
-        return f"resumed from step {self.step}, {check}{again}, from {self.path}"
+        return (
+            f"resumed from step {self.step}, {check}{again}, from {self.path}"
+            f"{_TIERS.get(self.source or '', '')}"
+        )
 
     def __str__(self) -> str:
         if not self.restored:
@@ -63,7 +71,7 @@ class RestoreReport:
         else:
             ws = f"world size {self.saved_world_size} -> {self.world_size}"
             lines = [
-                f"restored step {self.step} from {self.path}",
+                f"restored step {self.step} from {self.path}{_TIERS.get(self.source or '', '')}",
                 f"  {ws}{' (resharded)' if self.resharded else ''}",
                 f"  verified: {'yes, bit-exact' if self.verified else 'NO'}",
             ]
@@ -71,3 +79,6 @@ class RestoreReport:
             lines.append(f"  {name:<12} {status}")
         lines.extend(f"  warning: {w}" for w in self.warnings)
         return "\n".join(lines)
+
+
+_TIERS = {"local": " (local tier)", "peer": " (local tier, with files from a peer's copy)"}

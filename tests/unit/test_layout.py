@@ -32,7 +32,9 @@ ALLOWED: dict[str, set[str]] = {
     # What the training loop's Checkpointer remembers across calls (run/run.py).
     "run": {"core", "live", "format", "storage", "errors", "env"},
     "proof": {"live", "format", "storage", "errors", "env"},
-    "checkpointer": {"run", "core", "live", "format", "storage", "errors", "report"},
+    # The local tier: node folders in memory, replicas, the restore from them.
+    "tiers": {"core", "live", "format", "storage", "errors", "report"},
+    "checkpointer": {"run", "tiers", "core", "live", "format", "storage", "errors", "report"},
     "testing": {"proof", "live", "format", "storage", "errors"},
     "tools": {"checkpointer", "core", "live", "format", "storage", "proof"} | set(LEAVES),
     "integrations": {
@@ -48,7 +50,7 @@ ALLOWED: dict[str, set[str]] = {
     },
     "cli": {"tools", "testing", "checkpointer", "core", "live", "format", "storage", "proof"}
     | set(LEAVES),
-    "__init__": {"checkpointer", "tools", "errors", "report", "_version"},
+    "__init__": {"checkpointer", "tiers", "tools", "errors", "report", "_version"},
 }
 MAX_LINES = 500
 

@@ -83,16 +83,7 @@ def resume(
         ValueError: ``reset`` names a component that was not passed, or ``skip`` one
             that was (before anything is read).
     """
-    names = [c.name for c in components]
-    unknown = sorted(reset - set(names))
-    if unknown:
-        raise ValueError(f"reset names unknown component(s) {unknown}; known: {names}")
-    passed = sorted(skip & set(names))
-    if passed:
-        raise ValueError(
-            f"skip names {passed}, which were passed to the Checkpointer: use reset= to "
-            "start them fresh"
-        )
+    names = check_names(components, reset, skip)
     world = collective.world_size()
     candidates = [] if ignore else Candidates(ckdir, step)  # re-listed
     skipped = lost_manifests(ckdir)  # damaged folders, named in the report
@@ -151,9 +142,29 @@ def resume(
             f"the checkpoint of step {chosen} was saved with a warning: {w}"
             for w in doc.get("save_warnings") or []
         )
-        report = dataclasses.replace(report, searched=str(ckdir.root))
+        report = dataclasses.replace(report, searched=str(ckdir.root), source="persistent")
         return Resumed(report, doc, chosen, restored.installed, restored.algorithm)
     raise AssertionError("unreachable")
+
+
+def check_names(components: list[Component], reset: set[str], skip: set[str]) -> list[str]:
+    """The components' names, once ``reset`` and ``skip`` are found to make sense.
+
+    Raises:
+        ValueError: ``reset`` names a component that was not passed, or ``skip`` one
+            that was.
+    """
+    names = [c.name for c in components]
+    unknown = sorted(reset - set(names))
+    if unknown:
+        raise ValueError(f"reset names unknown component(s) {unknown}; known: {names}")
+    passed = sorted(skip & set(names))
+    if passed:
+        raise ValueError(
+            f"skip names {passed}, which were passed to the Checkpointer: use reset= to "
+            "start them fresh"
+        )
+    return names
 
 
 def skipped_text(damaged: list[tuple[int, str]], root: Location) -> list[str]:

@@ -263,10 +263,57 @@ def write(ckdir: CheckpointDir, staged: Staged) -> Location:
 
 
 def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -> Location:
+    request = staged.request
+    writer, gathered = write_shards(partial, ckdir.shard_name(partial, rank), staged, rank)
+
+    def commit() -> tuple[str, list[str]]:
+        assert gathered is not None
+        body, data = manifest_of(partial, staged, writer, gathered)
+        run = request.run
+        final = ckdir.commit(
+            partial,
+            request.step,
+            retire=run.retire if run is not None else [],
+            manifest=data,
+            other_writer=run.other_writer if run is not None else None,
+        )
+        if request.run is not None:
+            request.run.committed(
+                request.step, staged.skeletons, body["tensors"], body["fingerprint_algorithm"]
+            )
+        return str(final), body.get("save_warnings", [])
+
+    committed = collective.on_rank0(commit)
+    assert committed is not None
+    staged.warnings = list(committed[1])
+    return ckdir.from_token(committed[0])
+
+
+def manifest_of(
+    partial: Location,
+    staged: Staged,
+    writer: ShardWriter,
+    gathered: list[dict],
+    tier: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], bytes]:
+    """Rank 0: the manifest's document and bytes once every rank wrote its shard (a
+    plain tensor that ranks hold with different values refuses the save here);
+    ``tier``: a local step's record of its nodes and replicas."""
+    request = staged.request
+    replicas.refuse_differing(request.step, [g["held"] for g in gathered], request.components)
+    body = _manifest_body(request, staged, writer, gathered)
+    if tier is not None:
+        body["tier"] = tier
+    return body, manifest.encode(partial, body)
+
+
+def write_shards(
+    partial: Location, name: str, staged: Staged, rank: int
+) -> tuple[ShardWriter, list[dict] | None]:
+    """This rank's shard written into ``partial`` (as ``name``), fingerprinted while it is
+    written; every rank's record gathered on rank 0 (None elsewhere). Collective."""
     request, flat = staged.request, staged.flat
-    writer = ShardWriter(
-        partial, rank=rank, name=ckdir.shard_name(partial, rank), files=write_files()
-    )
+    writer = ShardWriter(partial, rank=rank, name=name, files=write_files())
     settle(flat)
     # Fingerprints are computed while DCP writes: file I/O and torch kernels both
     # release the GIL, so the two overlap on separate cores (on a GPU, the fingerprints
@@ -315,31 +362,7 @@ def _write(ckdir: CheckpointDir, partial: Location, staged: Staged, rank: int) -
             "probe": request.probe,
             "gradients": staged.gradients,
         }
-    gathered = collective.gather_to_rank0(local)  # only rank 0 writes the manifest
-
-    def commit() -> tuple[str, list[str]]:
-        assert gathered is not None
-        replicas.refuse_differing(request.step, [g["held"] for g in gathered], request.components)
-        body = _manifest_body(request, staged, writer, gathered)
-        data = manifest.encode(partial, body)
-        run = request.run
-        final = ckdir.commit(
-            partial,
-            request.step,
-            retire=run.retire if run is not None else [],
-            manifest=data,
-            other_writer=run.other_writer if run is not None else None,
-        )
-        if request.run is not None:
-            request.run.committed(
-                request.step, staged.skeletons, body["tensors"], body["fingerprint_algorithm"]
-            )
-        return str(final), body.get("save_warnings", [])
-
-    committed = collective.on_rank0(commit)
-    assert committed is not None
-    staged.warnings = list(committed[1])
-    return ckdir.from_token(committed[0])
+    return writer, collective.gather_to_rank0(local)  # only rank 0 writes the manifest
 
 
 def _manifest_body(

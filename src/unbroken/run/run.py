@@ -51,7 +51,10 @@ class RunSave:
     Thread-safe: a background save calls it while the training loop goes on.
     """
 
-    def __init__(self, run: Run, step: int, lineage: Lineage, retire: list[int]) -> None:
+    def __init__(
+        self, run: Run, step: int, lineage: Lineage, retire: list[int], *, local: bool = False
+    ) -> None:
+        self.local = local  # a save into the local tier: the persistent folder is not its
         self._claim = run.claim
         self._idle = run.idle
         self.lineage = lineage.events
@@ -62,7 +65,8 @@ class RunSave:
     def check(self, step: int) -> None:
         """Before the save writes anything (rank 0, holding the save lock): refuse it if
         another run committed into the folder (``OtherRunError``)."""
-        self._claim.check(step, self.lineage)
+        if not self.local:
+            self._claim.check(step, self.lineage)
 
     def other_writer(self, committed: bytes) -> str | None:
         """At the commit (rank 0): who wrote the copy of the step committed already, if
@@ -83,7 +87,8 @@ class RunSave:
         algorithm: str,
     ) -> None:
         """Rank 0, once the save committed: the step is this run's. Never raises."""
-        self._claim.committed(step)
+        if not self.local:
+            self._claim.committed(step)
         self._idle.committed(step, skeletons, tensors, self._optimizer_steps, algorithm)
 
 
@@ -189,10 +194,11 @@ class Run:
 
     # -- save ------------------------------------------------------------------------
 
-    def begin_save(self, step: int) -> RunSave:
+    def begin_save(self, step: int, *, local: bool = False) -> RunSave:
         """* A save of ``step`` begins: the run's id decided if no restore did, the
         abandoned steps of a branch listed, the replay verdict so far recorded, all in
-        the lineage the save writes."""
+        the lineage the save writes. ``local``: a save into the local tier (the
+        persistent folder's abandoned steps wait for the next persistent save)."""
         self._forward(self.record.complete())  # the save completes the step tracked last
         if self._first_step is not None and self._first_step.done:
             self._first_step.close()  # checked: its hooks go (outside any optimizer step)
@@ -200,26 +206,29 @@ class Run:
         if self._lineage.run_id is None:  # no restore(): this save decides the run's id
             self._lineage = self._lineage.agree()
         retire: list[int] = []
-        if self._fork is not None:
+        if self._fork is not None and not local:
             fork = self._fork
             retire = collective.on_rank0(lambda: abandoned_steps(self.folder.steps(), fork))
             self._lineage = self._lineage.amended(retired=retire or [])
         replay = self.record.before_save()
         if replay is not None:
             self._lineage = self._lineage.amended(replay=replay)
-        return RunSave(self, step, self._lineage, retire or [])
+        return RunSave(self, step, self._lineage, retire or [], local=local)
 
-    def committed(self, step: int, warnings: list[str]) -> None:
+    def committed(self, step: int, warnings: list[str], *, local: bool = False) -> None:
         """* The save of ``step`` committed (in the save's thread): its warnings logged
-        once, the branch committed, retention applied, the record written."""
-        self._fork = None  # the branch is committed; its abandoned steps are retired
+        once, the branch committed, retention applied, the record written. ``local``: a
+        local step (the local tier keeps its own retention)."""
+        if not local:
+            self._fork = None  # the branch is committed; its abandoned steps are retired
         self._save_warnings = warnings
         if collective.rank() == 0:
             for warning in warnings:
                 if warning not in self._logged:
                     self._logged.add(warning)
                     logger.warning("step %d: %s", step, warning)
-        self._apply_retention(step)
+        if not local:
+            self._apply_retention(step)
         unrecorded = self.record.after_commit()  # committed: a failure is a warning
         if unrecorded is not None:
             self._save_warnings = [*warnings, unrecorded]

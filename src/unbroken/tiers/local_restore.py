@@ -1,0 +1,212 @@
+"""Restoring from the local tier: the newest local step that is complete across the
+surviving nodes, verified like any restore, or nothing (the persistent tier then).
+
+One round lists every node's local steps newer than the newest persistent one. For the
+newest candidate, each file of the step needs a sound copy somewhere: the nodes that hold
+one check its chunks' checksums, a copy that fails is dropped (and named), and a file left
+without a copy makes the step unusable (named). Each node then gathers a complete step in
+a restore folder: its own copies linked, the others received from a node that holds one.
+The restore reads that folder (resharding onto this world size where it differs) and
+verifies every tensor; damage found there drops the step and the next candidate is
+tried. Never a mix of steps or tiers: one step's files, one manifest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from ..core import collective, restoring, resuming
+from ..errors import CorruptCheckpointError
+from ..storage.locate import location
+from .node_folder import MANIFEST, unsound
+from .transfer import exchange
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ..live.state import Component
+    from .store import LocalStore
+
+
+def restore(
+    store: LocalStore,
+    newer_than: int | None,
+    components: list[Component],
+    request: restoring.RestoreRequest,
+) -> tuple[resuming.Resumed | None, list[str]]:
+    """The resume from the newest usable local step newer than ``newer_than`` (None:
+    none is), and the warnings naming every local step or copy skipped. Collective."""
+    store.wait()  # the replication thread lets go of the tier's group
+    rank, nodes, folder = collective.rank(), store.nodes, store.folder
+    leader = nodes.is_leader(rank)
+
+    def listing() -> dict[int, Any]:
+        found: dict[int, Any] = {}
+        if not leader:
+            return found
+        for step in folder.steps():
+            if newer_than is not None and step <= newer_than:
+                continue
+            try:
+                doc, ident = folder.manifest(step)
+            except Exception as exc:  # a damaged manifest: that copy is skipped
+                found[step] = {"error": str(exc)}
+                continue
+            sizes = {n: r["size"] for n, r in doc["files"].items()}
+            sizes[MANIFEST] = folder.step_path(step).joinpath(MANIFEST).stat().st_size
+            held = [MANIFEST, *folder.present(step, doc["files"])]
+            found[step] = {"id": ident, "files": sizes, "held": held}
+        return found
+
+    every = collective.gather_all(listing())
+    listed = {nodes.node_of(r): v for r, v in enumerate(every) if nodes.is_leader(r)}
+    warnings: list[str] = []
+    for step in sorted({s for v in listed.values() for s in v}, reverse=True):
+        copies, notes = _copies(step, listed)
+        warnings += notes
+        holders = _holders(copies)
+        files = next(iter(copies.values()))["files"] if copies else {}
+        lost = sorted(n for n in files if not holders.get(n))
+        if not copies or lost:
+            warnings.append(_unusable(step, lost, "no surviving node holds"))
+            continue
+        bad = _check_copies(store, step, copies)
+        for node, problems in sorted(bad.items()):
+            for name, why in sorted(problems.items()):
+                warnings.append(f"local step {step}: node {node}'s copy of {why}; skipped")
+                holders[name].remove(node)
+        lost = sorted(n for n in files if not holders[n])
+        if lost:
+            warnings.append(_unusable(step, lost, "no sound copy is left of"))
+            continue
+        done = _restore_step(store, step, files, holders, components, request, warnings)
+        if done is not None:
+            return done, warnings
+    return None, warnings
+
+
+def _copies(step: int, listed: dict[int, Any]) -> tuple[dict[int, Any], list[str]]:
+    """The nodes' copies of ``step`` that belong to one save (the one most nodes hold),
+    and notes on the others."""
+    notes, good = [], {}
+    for node, steps in sorted(listed.items()):
+        entry = steps.get(step)
+        if entry is None:
+            continue
+        if "error" in entry:
+            notes.append(f"local step {step}: node {node}'s manifest is damaged; skipped")
+        else:
+            good[node] = entry
+    if not good:
+        return {}, notes
+    ids = Counter(e["id"] for e in good.values())
+    chosen = max(sorted(ids), key=lambda i: ids[i])
+    for node, entry in sorted(good.items()):
+        if entry["id"] != chosen:
+            notes.append(f"local step {step}: node {node}'s copy is of another save; skipped")
+    return {n: e for n, e in good.items() if e["id"] == chosen}, notes
+
+
+def _holders(copies: dict[int, Any]) -> dict[str, list[int]]:
+    holders: dict[str, list[int]] = {}
+    for node, entry in sorted(copies.items()):
+        for name in entry["held"]:
+            holders.setdefault(name, []).append(node)
+    return holders
+
+
+def _unusable(step: int, lost: list[str], why: str) -> str:
+    shown = ", ".join(lost[:4]) + (f" and {len(lost) - 4} more" if len(lost) > 4 else "")
+    return f"local step {step} could not be used: {why} {shown or 'its files'}"
+
+
+def _check_copies(store: LocalStore, step: int, copies: dict[int, Any]) -> dict[int, Any]:
+    """node -> {file: why} for every held copy that fails its checksums; the ranks of a
+    node share its files."""
+    rank, nodes, folder = collective.rank(), store.nodes, store.folder
+    node = nodes.node_of(rank)
+    mine: dict[str, str] = {}
+    if node in copies:
+        doc, _ = folder.manifest(step)
+        ranks = nodes.ranks[node]
+        shards = [n for n in copies[node]["held"] if n != MANIFEST]
+        share = shards[ranks.index(rank) :: len(ranks)]
+        for name in share:
+            why = unsound(folder.step_path(step), name, doc)
+            if why is not None:
+                mine[name] = why
+    found: dict[int, Any] = {}
+    for r, problems in enumerate(collective.gather_all(mine)):
+        for name, why in problems.items():
+            found.setdefault(nodes.node_of(r), {})[name] = why
+    return found
+
+
+def _restore_step(
+    store: LocalStore,
+    step: int,
+    files: dict[str, int],
+    holders: dict[str, list[int]],
+    components: list[Component],
+    request: restoring.RestoreRequest,
+    warnings: list[str],
+) -> resuming.Resumed | None:
+    """Gather ``step`` on every node and restore it; None when damage turned up."""
+    rank, nodes, folder = collective.rank(), store.nodes, store.folder
+    node = nodes.node_of(rank)
+    token = collective.from_rank0(uuid.uuid4().hex[:12])
+    fetches = [
+        (holders[name][0], dst, name)
+        for dst in range(nodes.count)
+        for name in sorted(files)
+        if dst not in holders[name]
+    ]
+    view: Path | None = None
+
+    def prepare() -> None:
+        nonlocal view
+        if nodes.is_leader(rank):
+            view = folder.view(step, token, [n for n in sorted(files) if node in holders[n]])
+
+    def gather() -> None:
+        if nodes.is_leader(rank):
+            assert view is not None
+            sends = [
+                (nodes.leader(dst), folder.step_path(step) / name, files[name])
+                for src, dst, name in fetches
+                if src == node
+            ]
+            receives = [
+                (nodes.leader(src), view / name, files[name])
+                for src, dst, name in fetches
+                if dst == node
+            ]
+            with collective.using(store.group):
+                exchange(sends, receives)
+
+    try:
+        collective.agree(prepare)  # every node ready before any byte is sent
+        collective.agree(gather)
+        here = location(folder.view_path(step, token))
+        doc, notes = resuming.read_manifest(here)
+        restored = restoring.restore(here, doc, components, request)
+    except CorruptCheckpointError as exc:
+        warnings.append(f"local step {step} failed its checks while restoring ({exc}); skipped")
+        return None
+    finally:
+        if view is not None:
+            folder.discard(view)
+    report = restored.report
+    report.warnings[:0] = warnings + notes
+    report.warnings.extend(
+        f"the checkpoint of step {step} was saved with a warning: {w}"
+        for w in doc.get("save_warnings") or []
+    )
+    source = "peer" if fetches else "local"
+    report = dataclasses.replace(
+        report, path=str(folder.step_path(step)), source=source, searched=str(folder.root)
+    )
+    return resuming.Resumed(report, doc, step, restored.installed, restored.algorithm)
