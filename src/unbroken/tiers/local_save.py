@@ -65,7 +65,6 @@ def save(store: LocalStore, staged: saving.Staged) -> tuple[str, list[str]]:
                 f"keeps need about {size_text(need)}, and {folder.path} has {size_text(free)} free. "
                 "Lower LocalTier(keep_last=...) or replicas, or give the folder more room"
             )
-        folder.clean_leftovers()
         partial = folder.new_partial(step, token)
 
     _agreed(prepare)
@@ -110,9 +109,11 @@ def _job(store: LocalStore, step: int, files: dict[str, Any]) -> Job:
         owner = file_rank(name)
         if owner is not None:
             by_rank.setdefault(owner, []).append(name)
-    folder = store.folder.step_path(step)
-    mine = [(n, files[n]["size"]) for n in by_rank.get(rank, [])]
-    sends = [(t, folder / n, size) for t in store.targets(rank) for n, size in mine]
+    targets = store.targets(rank)
+    mine = [(n, files[n]["size"]) for n in by_rank.get(rank, [])] if targets else []
+    # Linked aside now: retention may remove the step before the thread sends it.
+    kept = {n: store.folder.outgoing(step, n) for n, _ in mine}
+    sends = [(t, kept[n], size) for t in targets for n, size in mine]
     receives = [(s, n, files[n]["size"]) for s in store.sources(rank) for n in by_rank.get(s, [])]
     return Job(step, sends, receives)
 

@@ -32,7 +32,7 @@ from ..storage.posix import RunLock, exchange
 
 MANIFEST = "manifest.json"
 _STEP = re.compile(r"step_(\d{8,})")
-_LEFTOVER = (".partial-", ".trash-", ".incoming-", ".restore-", ".replaced-")
+_LEFTOVER = (".partial-", ".trash-", ".incoming-", ".outgoing-", ".restore-")
 
 
 def job_folder_name(persistent: str) -> str:
@@ -161,6 +161,14 @@ class NodeFolder:
         self.root.mkdir(parents=True, exist_ok=True)
         return self.root / f".incoming-{step:08d}-{os.getpid()}-{name}"
 
+    def outgoing(self, step: int, name: str) -> Path:
+        """A link to this node's file ``name`` of ``step`` that stays until its replicas
+        are sent, whatever retention does to the step meanwhile."""
+        kept = self.root / f".outgoing-{step:08d}-{os.getpid()}-{name}"
+        kept.unlink(missing_ok=True)
+        os.link(self.step_path(step) / name, kept)
+        return kept
+
     def settle(self, received: Path, step: int, name: str) -> bool:
         """Move a whole replica file into its committed step (False, and the file
         removed, when the step is no longer kept here)."""
@@ -173,7 +181,8 @@ class NodeFolder:
         return False
 
     def clean_leftovers(self) -> list[str]:
-        """Remove what crashed saves, receptions and restores of this job left."""
+        """Remove what crashed saves, replications and restores of this job left (at the
+        start only: later, another rank's replication may be using them)."""
         try:
             names = os.listdir(self.root)
         except FileNotFoundError:

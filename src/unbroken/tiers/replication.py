@@ -21,6 +21,7 @@ from .node_folder import NodeFolder
 from .transfer import exchange
 
 logger = logging.getLogger(__name__)
+CLOSE_WAIT_S = 120.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,17 +54,27 @@ class Replicator:
             self._pending += 1
         self._jobs.put(job)
 
-    def wait(self) -> None:
-        """Until every queued job is done (replicated, or failed and logged)."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Until every queued job is done (replicated, or failed and logged); False if
+        ``timeout`` seconds passed first."""
         with self._idle:
-            self._idle.wait_for(lambda: self._pending == 0)
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
-    def close(self) -> None:
-        if self._thread is not None:
-            self.wait()
-            self._jobs.put(None)
-            self._thread.join()
-            self._thread = None
+    def close(self, timeout: float = CLOSE_WAIT_S) -> None:
+        """Let the queued jobs finish (at most ``timeout`` seconds: a peer that died
+        must not hold the job's exit), then stop the thread."""
+        if self._thread is None:
+            return
+        if not self.wait(timeout):
+            logger.warning(
+                "replicas of local steps still in flight after %.0fs at close: abandoned "
+                "(those steps stay on this node only)",
+                timeout,
+            )
+            return  # the thread is a daemon: it goes with the process
+        self._jobs.put(None)
+        self._thread.join()
+        self._thread = None
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
@@ -88,8 +99,10 @@ class Replicator:
         try:
             exchange(job.sends, [(src, path, size) for src, _, size, path in places])
         except BaseException:
-            for *_, path in places:
+            for path in [p for *_, p in places] + [p for _, p, _ in job.sends]:
                 path.unlink(missing_ok=True)
             raise
         for _, name, _, path in places:
             self._folder.settle(path, job.step, name)
+        for path in {p for _, p, _ in job.sends}:
+            path.unlink(missing_ok=True)
