@@ -8,6 +8,7 @@ uninterrupted run bit for bit, or it does not happen and the report says why.
 
 from __future__ import annotations
 
+import json
 import shutil
 import warnings
 from pathlib import Path
@@ -61,6 +62,10 @@ def test_a_local_step_newer_than_the_persistent_one_resumes_exactly(tmp_path, ck
     assert report.path == str(_steps_folder(tmp_path) / "step_00000004")
     assert [resumed.step() for _ in range(3)] == expected
     assert_same_training_state(resumed, straight)
+    ckpt.save(7)  # the lineage records which tier the resume came from
+    lineage = json.loads((Path(ckpt.path) / "step_00000007" / "manifest.json").read_text())
+    assert lineage["lineage"][-1]["event"] == "resume"
+    assert lineage["lineage"][-1]["tier"] == "local"
     ckpt.close()
 
 
@@ -220,3 +225,13 @@ def test_the_tier_argument_is_checked(tmp_path, ckpt_dir):
     with pytest.raises(TypeError, match="LocalTier"):
         p.checkpointer(tmp_path / "x", local=str(tmp_path))
     ckpt.close()
+
+
+def test_inspect_and_verify_read_a_nodes_local_steps(tmp_path, ckpt_dir):
+    """A node's job folder is a run folder; the tier's folder points to its jobs."""
+    _crashed_run(tmp_path, ckpt_dir)
+    job = _steps_folder(tmp_path)
+    assert ub.verify_checkpoint(job).ok
+    assert [s.step for s in ub.inspect_checkpoint(job).checkpoints] == [3, 4]
+    with pytest.raises(ub.CheckpointNotFoundError, match=r"is a local tier folder .*" + job.name):
+        ub.inspect_checkpoint(tmp_path / "shm")

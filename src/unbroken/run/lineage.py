@@ -91,9 +91,11 @@ class Lineage:
         segment: str,
         reset: Iterable[str],
         skipped: Iterable[str],
+        source: str | None = None,
     ) -> Lineage:
         """This lineage continued by a resume from ``from_step``: ``reset`` components
-        started fresh, ``skipped`` ones left out on purpose."""
+        started fresh, ``skipped`` ones left out on purpose; ``source``: the tier it was
+        restored from (``RestoreReport.source``)."""
         event = {
             "event": "resume",
             "from_step": from_step,
@@ -103,6 +105,8 @@ class Lineage:
             "skipped": sorted(skipped),
             "segment": segment,
         }
+        if source is not None:
+            event["tier"] = source
         return Lineage([*self.events, event], self.run_id)
 
     def amended(self, **fields: Any) -> Lineage:

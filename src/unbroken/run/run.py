@@ -175,6 +175,7 @@ class Run:
             segment=self.record.segment,
             reset=reset,
             skipped=skip & set(doc["components"]),
+            source=done.report.source,
         )
         self._fork = step  # newer committed steps are retired by the first save
         self._trackers.start(self.run_id, step, self.folder.root)

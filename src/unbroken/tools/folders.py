@@ -59,6 +59,13 @@ def locate(path: str | os.PathLike | Location, step: int | None = None) -> Locat
     copies = ckdir.step_copies()
     steps, lost = sorted(copies), ckdir.steps_without_manifest()
     if not steps:
+        runs = _local_tier_runs(path, ckdir)
+        if runs:
+            raise CheckpointNotFoundError(
+                f"{path} is a local tier folder (LocalTier's path): the local steps are in "
+                f"its jobs' folders, {', '.join(str(path / r) for r in runs)}; pass one of "
+                "those"
+            )
         damaged = f"; damaged: {_lost_text(ckdir, lost)}" if lost else ""
         raise CheckpointNotFoundError(
             f"{path} holds no committed unbroken checkpoint (no step_*/{MANIFEST}){damaged}; "
@@ -73,6 +80,16 @@ def locate(path: str | os.PathLike | Location, step: int | None = None) -> Locat
             f"step {step} is not a committed checkpoint in {path}; committed steps: {steps}"
         )
     return ckdir.root / copies[step][0]
+
+
+def _local_tier_runs(path: Location, ckdir: CheckpointDir) -> list[str]:
+    """The job folders of a local tier folder (one that holds ``.in-use``), else []."""
+    names = ckdir.listdir()
+    if ".in-use" not in names:
+        return []
+    return sorted(
+        n for n in names if not n.startswith(".") and checkpoint_dir(path / n).steps()
+    )
 
 
 def _lost_text(ckdir: CheckpointDir, steps: list[int]) -> str:
