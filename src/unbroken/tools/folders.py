@@ -87,9 +87,7 @@ def _local_tier_runs(path: Location, ckdir: CheckpointDir) -> list[str]:
     names = ckdir.listdir()
     if ".in-use" not in names:
         return []
-    return sorted(
-        n for n in names if not n.startswith(".") and checkpoint_dir(path / n).steps()
-    )
+    return sorted(n for n in names if not n.startswith(".") and checkpoint_dir(path / n).steps())
 
 
 def _lost_text(ckdir: CheckpointDir, steps: list[int]) -> str:
