@@ -43,27 +43,31 @@ def restore(
     rank, nodes, folder = collective.rank(), store.nodes, store.folder
     leader = nodes.is_leader(rank)
 
-    def listing() -> dict[int, Any]:
+    def listing() -> tuple[dict[int, Any], str | None]:
         found: dict[int, Any] = {}
         if not leader:
-            return found
-        for step in folder.steps():
+            return found, None
+        try:
+            steps = folder.steps()
+        except OSError as exc:  # never raised here alone: the others wait in the round
+            return found, f"node {nodes.node_of(rank)}'s local folder cannot be listed ({exc})"
+        for step in steps:
             if newer_than is not None and step <= newer_than:
                 continue
             try:
                 doc, ident = folder.manifest(step)
+                sizes = {n: r["size"] for n, r in doc["files"].items()}
+                sizes[MANIFEST] = folder.step_path(step).joinpath(MANIFEST).stat().st_size
+                held = [MANIFEST, *folder.present(step, doc["files"])]
             except Exception as exc:  # a damaged manifest: that copy is skipped
                 found[step] = {"error": str(exc)}
                 continue
-            sizes = {n: r["size"] for n, r in doc["files"].items()}
-            sizes[MANIFEST] = folder.step_path(step).joinpath(MANIFEST).stat().st_size
-            held = [MANIFEST, *folder.present(step, doc["files"])]
             found[step] = {"id": ident, "files": sizes, "held": held}
-        return found
+        return found, None
 
     every = collective.gather_all(listing())
-    listed = {nodes.node_of(r): v for r, v in enumerate(every) if nodes.is_leader(r)}
-    warnings: list[str] = []
+    listed = {nodes.node_of(r): v for r, (v, _) in enumerate(every) if nodes.is_leader(r)}
+    warnings: list[str] = [why for _, why in every if why]
     for step in sorted({s for v in listed.values() for s in v}, reverse=True):
         copies, notes = _copies(step, listed)
         warnings += notes
@@ -130,14 +134,18 @@ def _check_copies(store: LocalStore, step: int, copies: dict[int, Any]) -> dict[
     node = nodes.node_of(rank)
     mine: dict[str, str] = {}
     if node in copies:
-        doc, _ = folder.manifest(step)
         ranks = nodes.ranks[node]
         shards = [n for n in copies[node]["held"] if n != MANIFEST]
         share = shards[ranks.index(rank) :: len(ranks)]
-        for name in share:
-            why = unsound(folder.step_path(step), name, doc)
-            if why is not None:
-                mine[name] = why
+        try:
+            doc, _ = folder.manifest(step)
+        except Exception as exc:  # removed or damaged since it was listed
+            mine = {name: f"{name} (its manifest cannot be read: {exc})" for name in share}
+        else:
+            for name in share:
+                why = unsound(folder.step_path(step), name, doc)
+                if why is not None:
+                    mine[name] = why
     found: dict[int, Any] = {}
     for r, problems in enumerate(collective.gather_all(mine)):
         for name, why in problems.items():
@@ -191,7 +199,7 @@ def _restore_step(
         collective.agree(prepare)  # every node ready before any byte is sent
         collective.agree(gather)
         here = location(folder.view_path(step, token))
-        doc, notes = resuming.read_manifest(here)
+        doc, notes = collective.agree(lambda: resuming.read_manifest(here))
         restored = restoring.restore(here, doc, components, request)
     except CorruptCheckpointError as exc:
         warnings.append(f"local step {step} failed its checks while restoring ({exc}); skipped")
