@@ -17,7 +17,7 @@ from .errors import CheckpointError
 from .live import gradients as grads
 from .live import probe
 from .live.components import as_step, build_components
-from .live.stopping import StopPolicy
+from .live.stopping import StopPolicy, stop_tier
 from .report import RestoreReport
 from .run.replay_check import ReplayVerdict
 from .run.run import Run
@@ -216,6 +216,16 @@ class Checkpointer:
         step = as_step(step)
         if tier not in ("persistent", "local"):
             raise ValueError(f'tier must be "persistent" or "local", got {tier!r}')
+        if tier == "persistent" and self._stop.stopping_at(step) and stop_tier() == "local":
+            if self._local is None:
+                raise CheckpointError(
+                    f"UNBROKEN_STOP_TIER=local (resume-test --tier local) asks the stop's "
+                    f"save of step {step} to go to the local tier, but this Checkpointer "
+                    "has none: pass local=ub.LocalTier(...)"
+                )
+            tier = "local"  # UNBROKEN_STOP_TIER=local: the stop's save (resume-test)
+            if rank() == 0:
+                logger.info("step %d: the stop's save goes to the local tier", step)
         local = tier == "local"
         store = self._local_store() if local else None
         record = probe.record(self._probe, self._model) if self._probe is not None else None

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .format import manifest
 from .format.series import read_series
-from .live.stopping import STOP_AT_ENV
+from .live.stopping import STOP_AT_ENV, STOP_TIER_ENV
 from .proof.plotting import plot_resume_test
 from .proof.replay import ResumeTestResult, compare, stop_steps
 from .proof.resume_lineage import ordinal
@@ -46,6 +46,7 @@ def resume_test(
     plot: bool = True,
     parallel: bool = False,
     store: str | None = None,
+    tier: str = "persistent",
 ) -> ResumeTestResult:
     """Run ``command`` straight and stopped-at-``stop_at``-then-resumed; compare.
 
@@ -67,6 +68,10 @@ def resume_test(
     runs keep their checkpoints (``straight`` and ``resumed``) instead of ``workdir``,
     which still gets the logs, report and plot. ``timeout``: seconds allowed per run; a
     run past it is killed with every process it started (torchrun's workers included).
+    ``tier="local"``: each stop's save goes to the script's local tier
+    (``UNBROKEN_STOP_TIER=local``; the script passes ``local=ub.LocalTier(...)``), and
+    each resume must restore it from there (its lineage's resume event says ``local`` or
+    ``peer``), else NOT RESUMED.
 
     Raises:
         ValueError: a bad ``stop_at``, or a used workdir or store prefix.
@@ -83,10 +88,14 @@ def resume_test(
         if not d.is_empty():
             what = "workdir" if store is None else "store prefix"
             raise ValueError(f"{d} is not empty: give resume_test a fresh {what}")
-    base_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k != STOP_AT_ENV}
+    if tier not in ("persistent", "local"):
+        raise ValueError(f'tier must be "persistent" or "local", got {tier!r}')
+    hidden = (STOP_AT_ENV, STOP_TIER_ENV)
+    base_env = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in hidden}
+    stop_env = {**base_env, STOP_TIER_ENV: tier}
     first_runs = [
         (straight, base_env, work / "straight.log"),
-        (resumed, {**base_env, STOP_AT_ENV: str(stops[0])}, work / "stopped.log"),
+        (resumed, {**stop_env, STOP_AT_ENV: str(stops[0])}, work / "stopped.log"),
     ]
     if parallel:
         with ThreadPoolExecutor(max_workers=2, thread_name_prefix="unbroken-run") as pool:
@@ -96,11 +105,13 @@ def resume_test(
     else:
         for args in first_runs:
             run(command, *args, timeout)
-    seen = _stopped_at(resumed, stops[0], work / "stopped.log", "the stopped run")
+    local = tier == "local"
+    seen = _stopped_at(resumed, stops[0], work / "stopped.log", "the stopped run", local)
     for i, stop in enumerate(stops[1:], start=1):  # each resume but the last stops again
         log = work / f"resumed-{i}.log"
-        run(resume_command or command, resumed, {**base_env, STOP_AT_ENV: str(stop)}, log, timeout)
-        for step, doc in _stopped_at(resumed, stop, log, f"the {ordinal(i)} resume").items():
+        run(resume_command or command, resumed, {**stop_env, STOP_AT_ENV: str(stop)}, log, timeout)
+        who = f"the {ordinal(i)} resume"
+        for step, doc in _stopped_at(resumed, stop, log, who, local).items():
             seen.setdefault(step, doc)
     run(resume_command or command, resumed, base_env, work / "resumed.log", timeout)
     result = compare(
@@ -110,6 +121,7 @@ def resume_test(
         exact=resume_command is None,
         tolerance=tolerance,
         checkpoints=seen,
+        tier=tier,
     )
     result.report_path = str(work / "resume-test-report.txt")
     if plot:
@@ -129,16 +141,19 @@ def resume_test(
     return result
 
 
-def _stopped_at(folder: Location, stop: int, log: Path, who: str) -> dict[int, dict]:
+def _stopped_at(
+    folder: Location, stop: int, log: Path, who: str, local: bool = False
+) -> dict[int, dict]:
     """The manifests of ``folder``'s checkpoints once a run stopped at ``stop`` (the
-    evidence of what it restored and held, before a later run prunes them).
+    evidence of what it restored and held, before a later run prunes them). ``local``:
+    the stop's checkpoint is in the script's local tier, not in ``folder``.
 
     Raises:
         RunFailed: its newest checkpoint is not of step ``stop``.
     """
     ckdir = checkpoint_dir(folder)
     steps = ckdir.steps()
-    if steps[-1:] != [stop]:
+    if not local and steps[-1:] != [stop]:
         raise RunFailed(
             f"{who} did not commit a checkpoint at step {stop} (see {log}); does the "
             "script call ckpt.should_stop(step) and save?"

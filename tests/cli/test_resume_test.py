@@ -46,6 +46,31 @@ def test_resume_test_fails_on_a_lost_optimizer_naming_the_step(tmp_path):
     assert "DIFFERENT" in (tmp_path / "w" / "resume-test-report.txt").read_text()
 
 
+def test_resume_test_from_the_local_tier(tmp_path):
+    """--tier local: the stop's save goes to the script's local tier, the resume restores
+    it from there (the persistent folder never holds the stop step), exact."""
+    done = _unbroken("resume-test", "--stop-at", "13", "--workdir", tmp_path / "w", "--json",
+                     "--tier", "local", "--", sys.executable, TINY, "{dir}", "--steps", "25",
+                     env={"TINY_LOCAL": str(tmp_path / "shm")})  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(done.stdout)
+    assert result["passed"] and result["resumed_from"] == [13], result
+    lineage = json.loads((tmp_path / "w" / "resumed" / "step_00000020" / "manifest.json")
+                         .read_text())["lineage"]  # fmt: skip
+    assert [(e["from_step"], e["tier"]) for e in lineage if e["event"] == "resume"] == [
+        (13, "local")
+    ]
+    assert not (tmp_path / "w" / "resumed" / "step_00000013").exists()
+
+
+def test_resume_test_from_the_local_tier_needs_one(tmp_path):
+    """--tier local on a script without a local tier: the stop's save says what to do."""
+    done = _unbroken("resume-test", "--stop-at", "13", "--workdir", tmp_path / "w",
+                     "--tier", "local", "--", sys.executable, TINY, "{dir}", "--steps", "25")  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "has none: pass local=ub.LocalTier(...)" in done.stdout + done.stderr
+
+
 def test_resume_test_is_not_resumed_when_the_script_starts_fresh(tmp_path):
     """A Checkpointer with overwrite=True starts fresh at every launch: its metrics are
     the straight run's, but it never restored step 8. NOT RESUMED, exit 1."""

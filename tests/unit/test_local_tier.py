@@ -235,3 +235,19 @@ def test_inspect_and_verify_read_a_nodes_local_steps(tmp_path, ckpt_dir):
     assert [s.step for s in ub.inspect_checkpoint(job).checkpoints] == [3, 4]
     with pytest.raises(ub.CheckpointNotFoundError, match=r"is a local tier folder .*" + job.name):
         ub.inspect_checkpoint(tmp_path / "shm")
+
+
+def test_the_resume_test_names_a_resume_that_did_not_come_from_the_local_tier():
+    """resume-test --tier local: a resume restored from the persistent tier (or one whose
+    lineage predates tiers) is NOT RESUMED, named; local and peer resumes pass."""
+    from unbroken.proof.resume_lineage import tier_problem
+
+    def resume(step, tier=None):
+        event = {"event": "resume", "from_step": step}
+        return event if tier is None else {**event, "tier": tier}
+
+    start = {"event": "start"}
+    assert tier_problem([10, 20], [start, resume(10, "local"), resume(20, "peer")]) is None
+    found = tier_problem([10, 20], [start, resume(10, "local"), resume(20, "persistent")])
+    assert found.startswith("the 2nd resume, from step 20 was restored from the persistent")
+    assert "a tier its lineage does not name" in tier_problem([10], [start, resume(10)])

@@ -32,7 +32,9 @@ second resume needs two). The resumed run must restore each stop step (its check
 lineage says so: otherwise NOT RESUMED), and every tracked metric after the first stop
 and the whole final state (tensors and non-tensor values) must be bit-identical. With
 --resume-cmd (e.g. another world size) the resumed run may deviate by up to
---tolerance (relative); the restore itself is still verified exactly.
+--tolerance (relative); the restore itself is still verified exactly. With --tier local
+each stop's save goes to the script's local tier (it passes local=ub.LocalTier(...)) and
+each resume must restore it from there (its lineage says so), else NOT RESUMED.
 
 Writes a text report, a JSON result and a PNG plot into --workdir (default: a new
 temporary folder, printed). With --store URL the runs keep their checkpoints on an
@@ -91,6 +93,14 @@ def resume_test_command(
             "that need a whole GPU or bind a fixed port).",
         ),
     ] = False,
+    tier: Annotated[
+        str,
+        typer.Option(
+            "--tier",
+            help="local: each stop's save goes to the script's local tier "
+            "(ub.LocalTier) and each resume must restore it from there.",
+        ),
+    ] = "persistent",
     as_json: JsonOption = False,
 ) -> None:
     from ..testing import RunFailed, resume_test
@@ -117,6 +127,7 @@ def resume_test_command(
                 timeout=timeout,
                 parallel=parallel,
                 store=store,
+                tier=tier,
             )
         except RunFailed as exc:
             report_error(exc)  # plain text, unwrapped: paths and tracebacks stay whole

@@ -13,6 +13,9 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 STOP_AT_ENV = "UNBROKEN_STOP_AT"
+# "local": the save of the step a stop was asked at goes to the local tier (resume-test
+# --tier local), so the resume must come from there.
+STOP_TIER_ENV = "UNBROKEN_STOP_TIER"
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
@@ -46,6 +49,10 @@ class StopPolicy:
         self._answers = {step: answer}
         return answer
 
+    def stopping_at(self, step: int) -> bool:
+        """Whether ``should_stop(step)`` said True (the save of ``step`` is a stop's)."""
+        return self._answers.get(step, False)
+
     def close(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
@@ -60,3 +67,11 @@ def _stop_at() -> int | None:
         return int(raw)
     except ValueError:
         raise ValueError(f"{STOP_AT_ENV}={raw!r} is not a step number") from None
+
+
+def stop_tier() -> str:
+    """The tier a stop's save goes to: ``UNBROKEN_STOP_TIER`` (default ``persistent``)."""
+    raw = os.environ.get(STOP_TIER_ENV, "").strip() or "persistent"
+    if raw not in ("persistent", "local"):
+        raise ValueError(f"{STOP_TIER_ENV}={raw!r}: use local or persistent")
+    return raw

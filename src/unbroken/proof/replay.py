@@ -175,6 +175,7 @@ def compare(
     exact: bool = True,
     tolerance: float = 0.05,
     checkpoints: Mapping[int, dict[str, Any]] | None = None,
+    tier: str = "persistent",
 ) -> ResumeTestResult:
     """Compare two finished runs: the resumed run's lineage (it restored each step of
     ``stop_at`` in turn), the metrics after the first stop, the whole final state.
@@ -182,6 +183,7 @@ def compare(
     ``checkpoints``: manifests of the resumed folder's checkpoints seen between its runs
     (step -> manifest; the harness passes them), so a checkpoint that a later run pruned
     still shows what each resume restored and what the runs held at each stop.
+    ``tier="local"``: each resume must have restored its stop from the local tier.
     """
     stops = stop_steps(stop_at)
     a, b = read_series(straight), read_series(resumed)
@@ -189,6 +191,8 @@ def compare(
     final_a, final_b = (kept[max(kept)] if kept else None for kept in (kept_a, now_b))
     kept_b = {**now_b, **(checkpoints or {})}  # as each run left them, where seen
     not_resumed, note = _not_resumed(stops, kept_b, final_b, record_lines(resumed))
+    if tier == "local" and not_resumed is None and final_b is not None:
+        not_resumed = resume_lineage.tier_problem(stops, final_b.get("lineage", []))
     docs, problem = _final_pair(final_a, final_b, straight, resumed)
     changed = None if docs is None else layout_change(*docs)
     layout_note = None

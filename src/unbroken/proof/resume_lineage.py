@@ -100,6 +100,23 @@ def problem(
     return f"{who} {what}"
 
 
+def tier_problem(stops: Sequence[int], lineage: Sequence[Mapping[str, Any]]) -> str | None:
+    """Why the resumes of ``lineage`` did not each restore their stop from the local
+    tier (its resume events say ``tier``: ``local`` or ``peer``), or None when they did."""
+    for i, event in enumerate(e for e in lineage if e.get("event") == "resume"):
+        if i >= len(stops):
+            break
+        tier = event.get("tier")
+        if tier not in ("local", "peer"):
+            where = f"the {tier} tier" if tier else "a tier its lineage does not name"
+            return (
+                f"{resume_name(i + 1, stops)} was restored from {where}, not the local tier "
+                "(does the script pass local=ub.LocalTier(...), and did the stop's save "
+                "reach it?)"
+            )
+    return None
+
+
 def recorded_resume(lines: Sequence[str] | None) -> tuple[bool, Any]:
     """(whether a metrics record has a run's header, the step its last run says it
     resumed from: its segment header's ``resumed_from``, None for a fresh start).

@@ -7,6 +7,7 @@ TINY_BUG=data       rebuilds the dataloader after restore (lost data position)
 TINY_BUG=optimizer  rebuilds the optimizer after restore (lost moments: the F3 bug)
 TINY_SLEEP=S        sleeps S seconds per step (to deliver signals mid-run)
 TINY_RESHARD=1      restores with reset={"rng", "dataloader"} (for another world size)
+TINY_LOCAL=PATH     a local tier in PATH (ub.LocalTier, no replicas: one node)
 
 Under torchrun (WORLD_SIZE set) it trains with DDP on gloo, each rank on its own shard of
 the data.
@@ -73,7 +74,11 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 5))
     loader = build_loader(rank, world)
-    ckpt = ub.Checkpointer(args.dir, model=model, optimizer=opt, scheduler=sched, dataloader=loader)
+    local = os.environ.get("TINY_LOCAL")
+    ckpt = ub.Checkpointer(
+        args.dir, model=model, optimizer=opt, scheduler=sched, dataloader=loader,
+        local=ub.LocalTier(local, replicas=0) if local else None,
+    )  # fmt: skip
     # Resuming on another world size: per-rank state (RNG, data position) cannot be
     # mapped, so it starts fresh on purpose; model and optimizer are resharded exactly.
     reset = {"rng", "dataloader"} if os.environ.get("TINY_RESHARD") else None
