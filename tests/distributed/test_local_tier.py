@@ -181,3 +181,27 @@ def test_both_copies_gone_fall_back_to_the_persistent_step(crashed):
         for step in (4, 3):
             assert any(f"local step {step} could not be used" in w for w in report["warnings"])
     _continues_exactly(crashed, out, records, 2)
+
+
+def test_three_nodes_a_replaced_node_fetches_what_its_ranks_read(tmp_path):
+    """Three agents, replicas on the next node of the ring: node 2 replaced (its folder
+    wiped) takes its rank's shard from node 0's replica, and what else its rank reads
+    from the others (``"peer"``); the restored state is the saved one, bit for bit.
+    Nodes 0 and 1 each hold two of the three shards: each reads its own."""
+    run = tmp_path / "run"
+    run.mkdir()
+    args = [str(tmp_path / "ckpt"), str(tmp_path / "shm"), "--out", str(run), "--steps", "4"]
+    agents.launch(SCRIPT, 3, [*args, "--saves"], run / "logs")
+    for node, held in ((0, ["rank_00000.bin", "rank_00002.bin"]), (1, ["rank_00000.bin",
+                       "rank_00001.bin"]), (2, ["rank_00001.bin", "rank_00002.bin"])):  # fmt: skip
+        step = _job(tmp_path / "shm", node) / "step_00000004"
+        assert sorted(p.name for p in step.glob("rank_*")) == held, node
+    shutil.rmtree(tmp_path / "shm" / "node_2")
+    out = tmp_path / "out"
+    out.mkdir()
+    args = [str(tmp_path / "ckpt"), str(tmp_path / "shm"), "--out", str(out), "--steps", "4"]
+    agents.launch(SCRIPT, 3, [*args, "--resume"], out / "logs")
+    for r in _records(out, 3):
+        report = r["report"]
+        assert (report["step"], report["source"], report["verified"]) == (4, "peer", True), r
+    _same_state(out / "full_restored.pt", run / "full_4.pt")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,9 +105,15 @@ class Restored:
 
 
 def restore(
-    folder: Location, doc: dict[str, Any], components: list[Component], request: RestoreRequest
+    folder: Location,
+    doc: dict[str, Any],
+    components: list[Component],
+    request: RestoreRequest,
+    before_read: Callable[[Targets], None] | None = None,
 ) -> Restored:
     """Load ``doc``'s checkpoint (in ``folder``) into the live components; collective.
+    ``before_read(targets)``: called on every rank once the load targets are known and
+    before a byte is read (the local tier fetches the files they need there).
 
     Raises:
         CorruptCheckpointError: damage found while reading; nothing live changed.
@@ -116,6 +123,8 @@ def restore(
     started = time.perf_counter()
     plan = plan_components(doc, components, request)
     targets = build_targets(folder, doc, plan)
+    if before_read is not None:
+        before_read(targets)
     loaded = read_and_check(folder, doc, plan, targets)
     with Transaction(plan.active, loaded.undo) as transaction:
         install(plan, targets, loaded, transaction)

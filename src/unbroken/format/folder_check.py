@@ -9,6 +9,7 @@ applies the same rules and goes on to read every byte.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from ..errors import CorruptCheckpointError
@@ -16,9 +17,13 @@ from ..storage.interface import Location
 from . import manifest, schema
 
 
-def check_folder(folder: Location, notes: list[str] | None = None) -> dict[str, Any]:
+def check_folder(
+    folder: Location, notes: list[str] | None = None, held: Collection[str] | None = None
+) -> dict[str, Any]:
     """The manifest of the committed checkpoint in ``folder``, once the folder is sound.
-    A manifest read wrong and then sound adds its note to ``notes``.
+    A manifest read wrong and then sound adds its note to ``notes``. ``held``: the files
+    that must be there (a node's copy of a local step holds only those it reads); default
+    every file the manifest lists.
 
     Raises:
         CorruptCheckpointError: naming the file that is missing, resized, sparse, a link,
@@ -27,7 +32,7 @@ def check_folder(folder: Location, notes: list[str] | None = None) -> dict[str, 
             or its fingerprints use an algorithm this version does not know.
     """
     try:
-        return _check(folder, notes)
+        return _check(folder, notes, held)
     except CorruptCheckpointError:
         raise
     except OSError as exc:  # no permission, gone meanwhile: the checkpoint is unusable
@@ -37,9 +42,12 @@ def check_folder(folder: Location, notes: list[str] | None = None) -> dict[str, 
         ) from None
 
 
-def _check(folder: Location, notes: list[str] | None) -> dict[str, Any]:
+def _check(
+    folder: Location, notes: list[str] | None, held: Collection[str] | None
+) -> dict[str, Any]:
     doc = manifest.read(folder, notes)  # refuses a linked folder or manifest
-    problems = folder.problems(doc["files"])
+    files = doc["files"]
+    problems = folder.problems(files if held is None else {n: files[n] for n in held})
     if problems:
         raise CorruptCheckpointError(f"{problems[0][1]}; use an older step")
     unreferenced = schema.unreferenced(doc)

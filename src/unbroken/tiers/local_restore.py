@@ -18,8 +18,13 @@ import uuid
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch.distributed.tensor import DTensor
+
 from ..core import collective, restoring, resuming
 from ..errors import CorruptCheckpointError
+from ..format import manifest as manifest_file
+from ..format.folder_check import check_folder
 from ..storage.locate import location
 from .node_folder import MANIFEST, unsound
 from .transfer import exchange
@@ -162,45 +167,65 @@ def _restore_step(
     request: restoring.RestoreRequest,
     warnings: list[str],
 ) -> resuming.Resumed | None:
-    """Gather ``step`` on every node and restore it; None when damage turned up."""
+    """Gather on each node the files of ``step`` its ranks read, and restore; None when
+    damage turned up."""
     rank, nodes, folder = collective.rank(), store.nodes, store.folder
     node = nodes.node_of(rank)
     token = collective.from_rank0(uuid.uuid4().hex[:12])
-    fetches = [
-        (holders[name][0], dst, name)
-        for dst in range(nodes.count)
-        for name in sorted(files)
-        if dst not in holders[name]
-    ]
+    here_path = folder.view_path(step, token)
+    here = location(here_path)
+    in_view = {n: {name for name in files if n in holders[name]} for n in range(nodes.count)}
+    fetched: list[int] = []
     view: Path | None = None
+
+    def fetch(names: dict[int, set[str]]) -> None:
+        """Every node receives the files of ``names`` (node -> files) it lacks."""
+        moves = [
+            (holders[name][0], dst, name)
+            for dst in range(nodes.count)
+            for name in sorted(names[dst] - in_view[dst])
+        ]
+
+        def move() -> None:
+            if nodes.is_leader(rank):
+                sends = [
+                    (nodes.leader(dst), folder.step_path(step) / name, files[name])
+                    for src, dst, name in moves
+                    if src == node
+                ]
+                receives = [
+                    (nodes.leader(src), here_path / name, files[name])
+                    for src, dst, name in moves
+                    if dst == node
+                ]
+                with collective.using(store.group):
+                    exchange(sends, receives)
+
+        collective.agree(move)
+        for _, dst, name in moves:
+            in_view[dst].add(name)
+        fetched.append(len(moves))
 
     def prepare() -> None:
         nonlocal view
         if nodes.is_leader(rank):
-            view = folder.view(step, token, [n for n in sorted(files) if node in holders[n]])
+            view = folder.view(step, token, sorted(in_view[node]))
 
-    def gather() -> None:
-        if nodes.is_leader(rank):
-            assert view is not None
-            sends = [
-                (nodes.leader(dst), folder.step_path(step) / name, files[name])
-                for src, dst, name in fetches
-                if src == node
-            ]
-            receives = [
-                (nodes.leader(src), view / name, files[name])
-                for src, dst, name in fetches
-                if dst == node
-            ]
-            with collective.using(store.group):
-                exchange(sends, receives)
+    def read_what_is_needed(targets: restoring.Targets) -> None:
+        every = collective.gather_all(sorted(needed_files(targets.tensors, doc)))
+        need: dict[int, set[str]] = {n: set() for n in range(nodes.count)}
+        for r, names in enumerate(every):
+            need[nodes.node_of(r)].update(names)
+        fetch(need)
+        held = sorted(in_view[node] - {MANIFEST})
+        collective.agree(lambda: check_folder(here, notes, held=held))
 
+    notes: list[str] = []
     try:
         collective.agree(prepare)  # every node ready before any byte is sent
-        collective.agree(gather)
-        here = location(folder.view_path(step, token))
-        doc, notes = collective.agree(lambda: resuming.read_manifest(here))
-        restored = restoring.restore(here, doc, components, request)
+        fetch({n: {MANIFEST} for n in range(nodes.count)})  # the step's manifest, everywhere
+        doc = collective.agree(lambda: manifest_file.read(here, notes))
+        restored = restoring.restore(here, doc, components, request, read_what_is_needed)
     except CorruptCheckpointError as exc:
         warnings.append(f"local step {step} failed its checks while restoring ({exc}); skipped")
         return None
@@ -213,8 +238,35 @@ def _restore_step(
         f"the checkpoint of step {step} was saved with a warning: {w}"
         for w in doc.get("save_warnings") or []
     )
-    source = "peer" if fetches else "local"
+    source = "peer" if sum(fetched) else "local"
     report = dataclasses.replace(
         report, path=str(folder.step_path(step)), source=source, searched=str(folder.root)
     )
     return resuming.Resumed(report, doc, step, restored.installed, restored.algorithm)
+
+
+def needed_files(targets: dict[str, torch.Tensor], doc: dict[str, Any]) -> set[str]:
+    """The files holding a saved chunk that overlaps what this rank loads."""
+    found: set[str] = set()
+    for key, t in targets.items():
+        entry = doc["tensors"].get(key)
+        if entry is None:
+            continue
+        if isinstance(t, DTensor):
+            if t.device_mesh.get_coordinate() is None:
+                continue
+            (chunk,) = t.__create_chunk_list__()
+            box = (list(chunk.offsets), list(chunk.sizes))
+        else:
+            box = ([0] * len(entry["shape"]), list(entry["shape"]))
+        for c in entry["chunks"]:
+            if _overlap(box, c) or 0 in c["sizes"]:
+                found.add(c["file"])
+    return found
+
+
+def _overlap(box: tuple[list[int], list[int]], chunk: dict[str, Any]) -> bool:
+    return all(
+        a < o + n and o < a + m
+        for a, m, o, n in zip(box[0], box[1], chunk["offsets"], chunk["sizes"], strict=True)
+    )
