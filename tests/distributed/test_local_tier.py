@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import unbroken as ub
+
 from . import agents
 
 pytestmark = pytest.mark.distributed
@@ -196,6 +198,10 @@ def test_three_nodes_a_replaced_node_fetches_what_its_ranks_read(tmp_path):
                        "rank_00001.bin"]), (2, ["rank_00001.bin", "rank_00002.bin"])):  # fmt: skip
         step = _job(tmp_path / "shm", node) / "step_00000004"
         assert sorted(p.name for p in step.glob("rank_*")) == held, node
+    node_1 = ub.verify_checkpoint(_job(tmp_path / "shm", 1))  # two of three shards
+    assert node_1.ok, node_1
+    (checked,) = node_1.checkpoints
+    assert any("rank_00002.bin is not on this node" in w for w in checked.warnings), checked
     shutil.rmtree(tmp_path / "shm" / "node_2")
     out = tmp_path / "out"
     out.mkdir()
