@@ -128,3 +128,22 @@ def end_process() -> None:
             "argument taken at import after init_process_group); find it with "
             "gc.get_referrers and let it go before tests/training_scripts.end_process()"
         )
+
+
+def sharded_regression(world: int, seed: int, width: int = 13) -> tuple[Any, Any]:
+    """A small learnable model (y = sum(sin(x)) from 4 inputs) sharded by FSDP2 over
+    every rank of the job (``init_device_mesh("cpu", (world,))``), and its AdamW. 13
+    rows shard unevenly over 2 and 3 ranks (7+6, 5+5+3)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Linear(4, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1)
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)

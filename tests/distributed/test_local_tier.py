@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import unbroken as ub
+from conftest import assert_identical
 
 from . import agents
 
@@ -32,24 +33,7 @@ def _records(out: Path, world: int) -> list[dict]:
 
 
 def _same_state(got: Path, want: Path) -> None:
-    a, b = torch.load(got, weights_only=True), torch.load(want, weights_only=True)
-
-    def walk(x, y, where):
-        assert type(x) is type(y), where
-        if isinstance(y, torch.Tensor):
-            assert x.dtype == y.dtype and torch.equal(x, y), where
-        elif isinstance(y, dict):
-            assert list(x) == list(y), where
-            for k in y:
-                walk(x[k], y[k], f"{where}/{k}")
-        elif isinstance(y, list | tuple):
-            assert len(x) == len(y), where
-            for i, (u, v) in enumerate(zip(x, y, strict=True)):
-                walk(u, v, f"{where}/{i}")
-        else:
-            assert x == y, where
-
-    walk(a, b, "state")
+    assert_identical(torch.load(got, weights_only=True), torch.load(want, weights_only=True))
 
 
 @pytest.fixture(scope="module")

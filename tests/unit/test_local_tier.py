@@ -251,3 +251,68 @@ def test_the_resume_test_names_a_resume_that_did_not_come_from_the_local_tier():
     found = tier_problem([10, 20], [start, resume(10, "local"), resume(20, "persistent")])
     assert found.startswith("the 2nd resume, from step 20 was restored from the persistent")
     assert "a tier its lineage does not name" in tier_problem([10], [start, resume(10)])
+
+
+def test_the_replay_check_compares_the_steps_after_a_local_resume(tmp_path, ckpt_dir):
+    """Steps the crashed run tracked after its last local save are recomputed by the
+    resumed run and compared bit for bit, as after any resume."""
+    p = Problem()
+    ckpt = p.checkpointer(ckpt_dir, local=_tier(tmp_path))
+    ckpt.restore()
+    for step in range(1, 6):
+        ckpt.track(step, loss=p.step())
+        if step == 2:
+            ckpt.save(step)
+        if step == 4:
+            ckpt.save(step, tier="local")
+    ckpt.close()  # step 5 is tracked, not saved: the replay check's reference
+    torch.manual_seed(123)  # restored from the checkpoint
+    resumed = Problem(seed=7)
+    again = resumed.checkpointer(ckpt_dir, local=_tier(tmp_path))
+    assert again.restore().source == "local"
+    again.track(5, loss=resumed.step())
+    again.close()
+    assert again.replay is not None and again.replay.status == "identical", again.replay
+    assert again.replay.compared_steps == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("async_save", [False, "overlap"])
+def test_gpu_state_resumes_exactly_from_the_local_tier(tmp_path, async_save):
+    """On a GPU: the local tier saves CUDA state (staged through pinned memory with
+    "overlap") and restores it onto the device, bit for bit, verified."""
+    dev = torch.device("cuda")
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                    torch.nn.Linear(256, 1)).to(dev)  # fmt: skip
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+
+    def step(model, opt, i):
+        g = torch.Generator(device=dev).manual_seed(i)
+        x = torch.randn(128, 64, device=dev, generator=g)
+        loss = (model(x) - x.sin().sum(1, keepdim=True)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    model, opt = build(0)
+    tier = _tier(tmp_path, replicas=0)
+    ckpt = ub.Checkpointer(tmp_path / "run", model=model, optimizer=opt, local=tier,
+                           async_save=async_save)  # fmt: skip
+    ckpt.restore()
+    for i in range(1, 5):
+        step(model, opt, i)
+        ckpt.save(i, tier="local")
+    ckpt.close()
+    expected = [step(model, opt, i) for i in range(5, 8)]
+    model2, opt2 = build(1)
+    again = ub.Checkpointer(tmp_path / "run", model=model2, optimizer=opt2, local=tier)
+    report = again.restore()
+    assert (report.step, report.source, report.verified) == (4, "local", True), report
+    assert next(model2.parameters()).device.type == "cuda"
+    assert [step(model2, opt2, i) for i in range(5, 8)] == expected
+    again.close()

@@ -26,27 +26,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import unbroken as ub
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
-from training_scripts import end_process
+from training_scripts import end_process, sharded_regression
 
 WIDTH = 13  # 13 rows shard unevenly over 2 and 3 ranks (7+6, 5+5+3)
 
 
 def build(world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, object]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(
-        nn.Linear(4, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1)
-    )
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
+    model, opt = sharded_regression(world, seed, WIDTH)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     return model, opt, sched
 

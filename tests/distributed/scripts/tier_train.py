@@ -27,30 +27,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import unbroken as ub
 from unbroken.tiers import node_folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
-from training_scripts import end_process
-
-WIDTH = 13
-
-
-def build(world: int, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = nn.Sequential(
-        nn.Linear(4, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, 1)
-    )
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
+from training_scripts import end_process, sharded_regression
 
 
 def one_step(model, opt, step: int, rank: int) -> float:
@@ -103,7 +86,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     node = int(os.environ["GROUP_RANK"])
     tier = ub.LocalTier(args.shm / f"node_{node}", replicas=1, keep_last=2)
-    model, opt = build(world, seed=123 if args.resume else 0)
+    model, opt = sharded_regression(world, seed=123 if args.resume else 0)
     ckpt = ub.Checkpointer(args.ckpt, model=model, optimizer=opt, local=tier)
     record: dict = {"rank": rank, "world": world, "node": node, "losses": {}}
     start = 0
