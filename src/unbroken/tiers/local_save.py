@@ -5,7 +5,9 @@ is queued.
 A save that cannot fit (a node's free memory is short of its ranks' shards plus the
 replicas it receives) or that fails while writing is not committed anywhere: every rank
 raises :class:`LocalSaveSkipped`, which the Checkpointer turns into a warning. The
-persistent tier is never touched.
+persistent tier is never touched. A state that no save may commit (plain tensors that
+differ between ranks, core/replicas.py) is refused with the same error as a persistent
+save's.
 """
 
 from __future__ import annotations
@@ -70,29 +72,36 @@ def save(store: LocalStore, staged: saving.Staged) -> tuple[str, list[str]]:
     _agreed(prepare)
     here = folder.root / f".partial-step_{step:08d}-{token}"  # every rank's, on its node
     body: dict[str, Any] = {}
+
+    def build() -> tuple[bytes, dict[str, Any], list[str]]:
+        assert gathered is not None
+        tier = {"tier": "local", **nodes.record(store.tier.replicas)}
+        doc, data = saving.manifest_of(location(here), staged, writer, gathered, tier)
+        body.update(doc)
+        return data, doc["files"], list(doc.get("save_warnings", []))
+
+    def commit() -> None:
+        if nodes.is_leader(rank):
+            folder.commit(here, step, data)
+
     try:
-        writer, gathered = saving.write_shards(location(here), f"rank_{rank:05d}.bin", staged, rank)
-
-        def build() -> tuple[bytes, dict[str, Any], list[str]]:
-            assert gathered is not None
-            tier = {"tier": "local", **nodes.record(store.tier.replicas)}
-            doc, data = saving.manifest_of(location(here), staged, writer, gathered, tier)
-            body.update(doc)
-            return data, doc["files"], list(doc.get("save_warnings", []))
-
+        try:
+            writer, gathered = saving.write_shards(
+                location(here), f"rank_{rank:05d}.bin", staged, rank
+            )
+        except Exception as exc:  # no room, an I/O error: a warning
+            raise LocalSaveSkipped(f"local step {step} not saved: {exc}") from exc
+        # A refusal of the state itself (plain tensors that differ between ranks, a
+        # manifest too large) is an error, as for a persistent save.
         data, files, warnings = collective.on_rank0(build)
-
-        def commit() -> None:
-            if nodes.is_leader(rank):
-                folder.commit(here, step, data)
-
-        _agreed(commit)
-    except LocalSaveSkipped:
-        raise
-    except Exception as exc:
+        try:
+            _agreed(commit)
+        except Exception as exc:
+            raise LocalSaveSkipped(f"local step {step} not saved: {exc}") from exc
+    except BaseException:
         if partial is not None:
             folder.discard(partial)
-        raise LocalSaveSkipped(f"local step {step} not saved: {exc}") from exc
+        raise
     run = staged.request.run
     if rank == 0 and run is not None:
         run.committed(step, staged.skeletons, body["tensors"], body["fingerprint_algorithm"])
