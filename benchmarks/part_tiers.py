@@ -51,6 +51,7 @@ WORKER = Path(__file__).with_name("tiers_worker.py")
 MB, WIDTH, REPEATS, NODES, NPROC = 1024, 2048, 3, 2, 2
 QUICK_NPROC = 1
 SOURCES = ["local", "peer", "persistent", "dcp"]
+QUICK_SOURCES = SOURCES[:3]  # --quick: a smoke test of ours; each launch costs seconds
 SOURCE_LABELS = {
     "local": "ours: local tier (each node's own memory)",
     "peer": "ours: local tier, node 1's folder lost (from node 0's replica)",
@@ -172,6 +173,7 @@ def measure(args: argparse.Namespace, log) -> dict:
     root = work / "ckpt"
     base = [str(root), str(shm / "live")]
     size = ["--mb", str(mb), "--width", str(width)]
+    other = common.OtherLoad().__enter__()
     try:
         log(f"\n== tiers: {mb:.0f} MB, {NODES} agents x {nproc} ranks, {repeats} runs")
         started = time.perf_counter()
@@ -188,7 +190,7 @@ def measure(args: argparse.Namespace, log) -> dict:
         shutil.copytree(shm / "live", shm / "pristine")
         resumes: dict[str, dict[str, list[float]]] = {s: {} for s in SOURCES}
         for i in range(repeats):
-            for source in common.rotated(SOURCES, i):
+            for source in common.rotated(QUICK_SOURCES if args.quick else SOURCES, i):
                 shutil.rmtree(shm / "live", ignore_errors=True)
                 shutil.copytree(shm / "pristine", shm / "live")
                 if source == "peer":
@@ -207,8 +209,13 @@ def measure(args: argparse.Namespace, log) -> dict:
                     ("launch_to_first_step", max(r["first_step"] for r in recs) - recs[0]["launched"]),
                     ("import", max(r["imported"] - r["started"] for r in recs)),
                     ("build", max(r["built"] - r["imported"] for r in recs)),
+                    ("checkpointer", max(r["made"] - r["built"] for r in recs)),
+                    ("step", max(r["step_s"] for r in recs)),
+                    *((k, max(r["spent"][k] for r in recs))
+                      for k in ("check_copies", "read_verify") if k in recs[0]["spent"]),
                 ):  # fmt: skip
-                    fig.setdefault(key, []).append(value)
+                    if key != "checkpointer" or source != "dcp":
+                        fig.setdefault(key, []).append(value)
                 log(f"  resume from {source}: restore {fig['restore'][-1]:.3f} s, first step "
                     f"{fig['first_step'][-1]:.2f} s after the start")  # fmt: skip
         node_bytes = nbytes // NODES
@@ -219,11 +226,13 @@ def measure(args: argparse.Namespace, log) -> dict:
         }
         disk_bytes = _files_bytes(root / "full")
     finally:
+        other.__exit__()
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     return {"info": info, "mb": mb, "width": width, "nbytes": nbytes, "node_bytes": node_bytes,
             "disk_bytes": disk_bytes, "nodes": NODES, "nproc": nproc, "repeats": repeats,
-            "saves": saves, "resumes": resumes, "floors": floors}  # fmt: skip
+            "saves": saves, "resumes": resumes, "floors": floors,
+            "other_load": other.cores}  # fmt: skip
 
 
 # Rendering ------------------------------------------------------------------------------
@@ -284,14 +293,17 @@ def _tables(data: dict) -> str:
                           _ms(saves.get(f"{key}.first_blocked", []))[0]])  # fmt: skip
     copy, local_first = median(floors["memory_copy"]), median(resumes["local"].get("first_step"))
     local_restore = median(resumes["local"].get("restore"))
-    resume_rows = []
+    resume_rows, parts_rows = [], []
     for source in SOURCES:
         fig = resumes[source]
         r, f = fig.get("restore", []), fig.get("first_step", [])
         resume_rows.append([SOURCE_LABELS[source], *_secs(r), ratio(median(r), local_restore),
                             ratio(median(r), copy), *_secs(f), ratio(median(f), local_first),
-                            _secs(fig.get("import", []))[0], _secs(fig.get("build", []))[0],
                             _secs(fig.get("launch_to_first_step", []))[0]])  # fmt: skip
+        parts_rows.append([SOURCE_LABELS[source],
+                           *(_secs(fig.get(k, []))[0] for k in (
+                               "import", "build", "checkpointer", "restore", "check_copies",
+                               "read_verify", "step"))])  # fmt: skip
     floor_rows = []
     for key, label, n in (
         ("memory_copy", "one copy in memory (numpy), a node's share", data["node_bytes"]),
@@ -305,8 +317,11 @@ def _tables(data: dict) -> str:
                "until copies are safe s", "min-max s", "safe =", "first save blocked ms"],
               save_rows), "",
         table(["resume (fresh launch)", "restore() s", "min-max s", "x local", "x memory copy",
-               "start to first step s", "min-max s", "x local", "import s", "build s",
-               "launch to first step s"], resume_rows), "",
+               "start to first step s", "min-max s", "x local", "launch to first step s"],
+              resume_rows), "",
+        table(["resume: where the time goes (medians, slowest rank)", "import s",
+               "init + build s", "Checkpointer() s", "restore() s", "of which copies checked s",
+               "of which read + verify s", "first step s"], parts_rows), "",
         table(["floor", "GB", "median s", "min-max s", "GB/s"], floor_rows), "",
         table(["target (issue 37)", "this run", "verdict"], _targets(data)),
     ])  # fmt: skip
@@ -317,7 +332,10 @@ def render(data: dict, *, markdown: bool) -> str:
             f"ranks (FSDP2), median of {data['repeats']} runs")  # fmt: skip
     text = _tables(data)
     if not markdown:
-        return f"== tiers: {head}\n\n{text}"
+        return (
+            f"== tiers: {head}; other processes' CPU use meanwhile: "
+            f"{data['other_load']:.2f} cores\n\n{text}"
+        )
     return "\n".join([
         f"## Benchmark\n\n{head}. Generated by `{data['command']}`; only this section "
         f"({data['elapsed'] / 60:.1f} minutes in all).\n",
@@ -330,8 +348,14 @@ def render(data: dict, *, markdown: bool) -> str:
         "first step* runs from the first worker's start (before `import torch`) to the "
         "last rank's first training step done, *launch* from the agents' start. Each "
         "worker checks where the state came from (`report.source`, verified) and that it "
-        "is the saved state bit for bit. Floors: a node's share of the state, as a node "
+        "is the saved state bit for bit. The second table splits the slowest rank's time "
+        "into its phases: *init + build* includes `init_process_group` (waiting for the "
+        "slowest rank's import) and the FSDP2 model; *copies checked* is the local tier's "
+        "pass over every copy a node holds (`_check_copies`), *read + verify* the restore "
+        "proper (`restoring.restore`). Floors: a node's share of the state, as a node "
         "restores it. Machine:\n",
-        *report.bullets(data["info"]), "", text, "",
+        *report.bullets(data["info"]),
+        f"- other processes' CPU use meanwhile (average busy cores): {data['other_load']:.2f}",
+        "", text, "",
         kept("tiers-notes", PAGE),
     ]).rstrip() + "\n"  # fmt: skip

@@ -156,7 +156,30 @@ def save(args, rank: int, world: int, node: int) -> dict:
             "bytes": common.state_bytes(model, opt)}  # fmt: skip
 
 
+def _timed_calls(spent: dict[str, float]) -> None:
+    """Time the restore's two passes over the bytes: the local tier's check of every copy
+    it holds (``_check_copies``) and the read, load and verification of the checkpoint
+    (``restoring.restore``, for either tier); their seconds summed into ``spent``."""
+    from unbroken.core import restoring
+    from unbroken.tiers import local_restore
+
+    for module, name, key in ((local_restore, "_check_copies", "check_copies"),
+                              (restoring, "restore", "read_verify")):  # fmt: skip
+        real = getattr(module, name)
+
+        def wrapper(*a, _real=real, _key=key, **k):
+            start = time.perf_counter()
+            try:
+                return _real(*a, **k)
+            finally:
+                spent[_key] = spent.get(_key, 0.0) + time.perf_counter() - start
+
+        setattr(module, name, wrapper)
+
+
 def resume(args, rank: int, world: int, node: int) -> dict:
+    spent: dict[str, float] = {}
+    _timed_calls(spent)
     model, opt = build(args.mb, args.width, world, seed=1)
     built = time.time()
     ckpt = None
@@ -166,13 +189,14 @@ def resume(args, rank: int, world: int, node: int) -> dict:
         dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(args.root / "dcp"))
         set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
         restore_s = time.perf_counter() - start
-        report = None
+        report, made = None, built
     else:
         if args.source == "persistent":
             ckpt = ub.Checkpointer(args.root / "full", model=model, optimizer=opt)
         else:
             tier = ub.LocalTier(args.shm / f"node_{node}", replicas=1, keep_last=1)
             ckpt = ub.Checkpointer(args.root / "tier", model=model, optimizer=opt, local=tier)
+        made = time.time()  # the Checkpointer made (a local tier's: a group, its checks)
         start = time.perf_counter()
         report = ckpt.restore(require=True)
         restore_s = time.perf_counter() - start
@@ -187,12 +211,15 @@ def resume(args, rank: int, world: int, node: int) -> dict:
     expected = json.loads((args.out.parent / "saved" / f"rank_{rank}.json").read_text())
     if got != expected["digest"]:
         raise SystemExit(f"rank {rank}: the state restored from {args.source} is not the saved one")
+    start = time.perf_counter()
     train_step(model, opt, args.width)
+    step_s = time.perf_counter() - start
     first_step = time.time() - check_s
     if ckpt is not None:
         ckpt.close()
     dist.barrier()
-    return {"started": STARTED, "imported": IMPORTED, "built": built, "restore": restore_s,
+    return {"started": STARTED, "imported": IMPORTED, "built": built, "made": made,
+            "restore": restore_s, "step_s": step_s, "spent": spent,
             "first_step": first_step, "launched": float(os.environ["TIERS_LAUNCHED"]),
             "source": None if report is None else report.source,
             "step": None if report is None else report.step}  # fmt: skip
