@@ -20,10 +20,14 @@ Every way to save and restore is a contender (``contenders.py``). The parts, eac
   side at ``--peer-sizes``, restores in a fresh process: its section of that page.
 - ``async`` (``part_async.py``): training blocked per ``async_save`` mode.
 - ``store`` (``part_store.py``): S3 on loopback against local disk.
+- ``tiers`` (``part_tiers.py``, ``tiers_worker.py``): the local tier over two torchrun
+  agents: saves blocked, until replicated, resumes in a fresh launch from memory, a peer,
+  the disk and DCP, and their floors: the ``Benchmark`` section of docs/tiers.md.
 - ``device`` (``part_device.py``): one process on ``--device`` (a GPU), floors and every
   contender: docs/benchmarks-gpu.md (``benchmarks/gpu.py`` runs it).
 
-On ``--device cpu`` the first four run by default; on ``--device cuda``, ``device``.
+On ``--device cpu`` the first four run by default (``tiers``: ``--parts tiers``, with
+``--results docs/tiers.json``); on ``--device cuda``, ``device``.
 ``--results FILE`` keeps every part's raw figures as JSON; ``--render FILE`` measures
 nothing and renders the parts that FILE holds (also the JSON an older ``save_restore.py``
 or ``gpu.py --results`` wrote). Never asserts timings.
@@ -49,6 +53,7 @@ import part_device
 import part_peers
 import part_single
 import part_store
+import part_tiers
 import profiling
 import single_report
 from report import DocsPart, Top, publish, shown_command
@@ -70,6 +75,7 @@ PARTS = {
     "async": Part(part_async.measure, part_async.render, part_async.SECTION),
     "store": Part(part_store.measure, part_store.render, part_store.SECTION),
     "device": Part(part_device.measure, part_device.render, part_device.PAGE),
+    "tiers": Part(part_tiers.measure, part_tiers.render, part_tiers.SECTION),
 }
 CPU_PARTS = ["single", "peers", "async", "store"]
 
@@ -103,6 +109,8 @@ def options() -> argparse.ArgumentParser:
     add("--async-mb", type=float, default=part_async.MB, help="state size of async (MB)")
     add("--batch", type=int, default=part_async.BATCH, help="rows per training step of async")
     add("--store-mb", type=float, default=part_store.MB, help="state size of store (MB)")
+    add("--tier-mb", type=float, default=part_tiers.MB, help="state size of tiers (MB)")
+    add("--tier-nproc", type=int, default=part_tiers.NPROC, help="ranks per agent of tiers")
     add("--repeats", "--runs", type=int, help="runs per measurement (default 5; device 3)")
     add("--width", type=int, help="Linear layer width (default 2048; device 4096)")
     add("--tmpdir", default=tempfile.gettempdir(), help="where the checkpoints go (one disk)")

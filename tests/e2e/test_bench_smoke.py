@@ -3,6 +3,7 @@ are asserted; the tables just have to be printed."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,33 @@ def test_async_and_store_parts_quick_smoke(tmp_path):
     assert again.stdout.count("wrote ") == 2, again.stdout[-2000:]
     text = page.read_text()
     assert "<!-- async:start -->" in text and "<!-- object-store:end -->" in text, text[:2000]
+
+
+def test_tiers_part_quick_smoke(tmp_path):
+    """The part tiers (two torchrun agents, a local tier each) still measures and prints
+    its rows; each resume restored from where it should, verified, bit for bit (else the
+    worker fails); --write-docs puts the section between the page's markers, keeping what
+    is around them. (--quick leaves DCP's resume out, for time.)"""
+    figures, page = tmp_path / "figures.json", tmp_path / "tiers.md"
+    page.write_text("# The local tier\n\nby hand\n")
+    done = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--parts", "tiers", "--tmpdir", str(tmp_path),
+         "--results", str(figures), "--write-docs", str(page)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    for row in ('| local, async_save="overlap"', "| local, sync", "| persistent, async_save=",
+                "| ours: local tier (each", "| ours: local tier, node 1's folder lost",
+                "| ours: persistent folder, cold", "| one copy in memory", "| TCP on 127.0.0.1",
+                "| cold read of the persistent", "| local overlap save blocked <= 2 ms/GB"):  # fmt: skip
+        assert row in done.stdout, row
+    assert set(json.loads(figures.read_text())["tiers"]["resumes"]["peer"]) >= {
+        "restore",
+        "first_step",
+        "check_copies",
+        "read_verify",
+    }
+    text = page.read_text()
+    assert text.startswith("# The local tier\n\nby hand\n"), text[:500]
+    assert "<!-- tiers-benchmark:start -->\n## Benchmark" in text, text[:2000]
+    assert text.rstrip().endswith("<!-- tiers-benchmark:end -->"), text[-500:]
