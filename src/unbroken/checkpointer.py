@@ -372,8 +372,10 @@ class Checkpointer:
         """Warnings about the last resume (the health check's, a replay difference) and
         about the last committed save (e.g. an optimizer holding no state while the
         parameters it covers changed: run/idle_optimizers.py; with ``async_save``,
-        known once that save committed)."""
-        return self._run.warnings
+        known once that save committed), and replicas of local steps that could not be
+        completed (this rank's)."""
+        replicas = self._local.failures if self._local is not None else []
+        return [*self._run.warnings, *replicas]
 
     def should_stop(self, step: int) -> bool:
         """True on every rank once SIGTERM/SIGUSR1 arrived, or at ``UNBROKEN_STOP_AT``."""
