@@ -131,12 +131,13 @@ def test_a_lost_node_without_a_spare_reshards_from_the_survivors_copies(crashed)
     _same_state(out / "full_restored.pt", crashed["run"] / "full_4.pt")
 
 
-def test_a_damaged_replica_is_skipped_for_the_other_copy(crashed):
-    """(d) A flipped byte in node 0's replica of rank 1's shard: found, named, and node
-    1's own copy used (fetched to node 0: ``"peer"``), exact."""
+def test_a_damaged_copy_is_skipped_for_the_other_one(crashed):
+    """(d) A flipped byte in node 1's own copy of rank 1's shard: found when rank 1 reads
+    it (nothing live changed), every copy then checked, node 1's named and skipped, and
+    node 0's replica sent to node 1 instead (``"peer"``), exact."""
 
     def flip(shm: Path) -> None:
-        path = _job(shm, 0) / "step_00000004" / "rank_00001.bin"
+        path = _job(shm, 1) / "step_00000004" / "rank_00001.bin"
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0x10
         path.write_bytes(bytes(data))
@@ -145,7 +146,7 @@ def test_a_damaged_replica_is_skipped_for_the_other_copy(crashed):
     for r in records:
         assert r["report"]["source"] == "peer", r["report"]
         assert any(
-            "node 0's copy of rank_00001.bin fails the checksum" in w
+            "node 1's copy of rank_00001.bin fails the checksum" in w
             for w in r["report"]["warnings"]
         ), r["report"]["warnings"]
     _continues_exactly(crashed, out, records, 4)

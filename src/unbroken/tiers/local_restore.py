@@ -2,13 +2,15 @@
 surviving nodes, verified like any restore, or nothing (the persistent tier then).
 
 One round lists every node's local steps newer than the newest persistent one. For the
-newest candidate, each file of the step needs a sound copy somewhere: the nodes that hold
-one check its chunks' checksums, a copy that fails is dropped (and named), and a file left
-without a copy makes the step unusable (named). Each node then gathers a complete step in
-a restore folder: its own copies linked, the others received from a node that holds one.
-The restore reads that folder (resharding onto this world size where it differs) and
-verifies every tensor; damage found there drops the step and the next candidate is
-tried. Never a mix of steps or tiers: one step's files, one manifest.
+newest candidate, each file of the step needs a copy on some node (one save's copies:
+the same manifest bytes), else the step is unusable (named). Each node gathers a restore
+folder: its own copies linked, the manifest, and the files its ranks read received from
+a node that holds them. The restore reads that folder (resharding onto this world size
+where it differs), checksumming every chunk as it reads and verifying every tensor.
+Damage found there changes nothing live: then every copy of the step is checked, the
+copies that fail are dropped (named) and the step is tried again if a sound copy of each
+file is left; else the next older step. Never a mix of steps or tiers: one step's files,
+one manifest.
 """
 
 from __future__ import annotations
@@ -82,7 +84,18 @@ def restore(
         if not copies or lost:
             warnings.append(_unusable(step, lost, "no surviving node holds"))
             continue
+        done = _restore_step(store, step, files, holders, components, request, warnings)
+        if isinstance(done, resuming.Resumed):
+            return done, warnings
+        # Damage found while reading (every chunk is checksummed as it is read, nothing
+        # live changed): each copy is checked now, and the step tried again without
+        # the copies that fail, if a sound copy of every file is left.
         bad = _check_copies(store, step, copies)
+        if not bad:
+            warnings.append(
+                f"local step {step} failed its checks while restoring ({done}); skipped"
+            )
+            continue
         for node, problems in sorted(bad.items()):
             for name, why in sorted(problems.items()):
                 warnings.append(f"local step {step}: node {node}'s copy of {why}; skipped")
@@ -92,8 +105,9 @@ def restore(
             warnings.append(_unusable(step, lost, "no sound copy is left of"))
             continue
         done = _restore_step(store, step, files, holders, components, request, warnings)
-        if done is not None:
+        if isinstance(done, resuming.Resumed):
             return done, warnings
+        warnings.append(f"local step {step} failed its checks while restoring ({done}); skipped")
     return None, warnings
 
 
@@ -166,9 +180,9 @@ def _restore_step(
     components: list[Component],
     request: restoring.RestoreRequest,
     warnings: list[str],
-) -> resuming.Resumed | None:
-    """Gather on each node the files of ``step`` its ranks read, and restore; None when
-    damage turned up."""
+) -> resuming.Resumed | str:
+    """Gather on each node the files of ``step`` its ranks read, and restore; what was
+    found damaged when damage turned up (nothing live changed then)."""
     rank, nodes, folder = collective.rank(), store.nodes, store.folder
     node = nodes.node_of(rank)
     token = collective.from_rank0(uuid.uuid4().hex[:12])
@@ -227,8 +241,7 @@ def _restore_step(
         doc = collective.agree(lambda: manifest_file.read(here, notes))
         restored = restoring.restore(here, doc, components, request, read_what_is_needed)
     except CorruptCheckpointError as exc:
-        warnings.append(f"local step {step} failed its checks while restoring ({exc}); skipped")
-        return None
+        return str(exc)
     finally:
         if view is not None:
             folder.discard(view)
