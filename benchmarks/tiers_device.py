@@ -5,8 +5,8 @@ copy is safe, and a restore from each into fresh objects, verified, in the same 
     python benchmarks/tiers_device.py                  # cuda if there is one: 3.2 GB, 3 runs
     python benchmarks/tiers_device.py --device cpu --mb 200 --runs 2
 
-One node (no replicas): the local folder is under /dev/shm, the persistent one under
---tmpdir. Prints the table (medians, min-max, ratios to the persistent tier's rows).
+One node (no replicas): the local folder is under --shm (/dev/shm), the persistent one
+under --tmpdir. Prints the table (medians, min-max, ratios to the persistent tier's rows).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     device = torch.device(args.device)
     model, opt = common.build_state(args.mb, args.width, device)
     root = Path(tempfile.mkdtemp(prefix="ub-tiers-", dir=args.tmpdir))
-    shm = Path("/dev/shm") / f"ub-tiers-{uuid.uuid4().hex[:8]}"
+    shm = Path(args.shm) / f"ub-tiers-{uuid.uuid4().hex[:8]}"
     tier = ub.LocalTier(shm, replicas=0, keep_last=2)
     out: dict[str, list[float]] = {}
     try:
@@ -88,7 +88,8 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=3220, help="state size (MB)")
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--tmpdir", default=tempfile.gettempdir())
+    parser.add_argument("--tmpdir", default=tempfile.gettempdir(), help="the persistent tier")
+    parser.add_argument("--shm", default="/dev/shm", help="where the local tier's folder goes")
     args = parser.parse_args()
     device = torch.device(args.device)
     info = common.machine_info(args.tmpdir, device if device.type == "cuda" else None)
