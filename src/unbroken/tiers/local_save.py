@@ -69,7 +69,6 @@ def save(store: LocalStore, staged: saving.Staged) -> tuple[str, list[str]]:
             )
         partial = folder.new_partial(step, token)
 
-    _agreed(prepare)
     here = folder.root / f".partial-step_{step:08d}-{token}"  # every rank's, on its node
     body: dict[str, Any] = {}
 
@@ -85,6 +84,7 @@ def save(store: LocalStore, staged: saving.Staged) -> tuple[str, list[str]]:
             folder.commit(here, step, data)
 
     try:
+        _agreed(prepare)  # a node without room: no node writes (partials removed below)
         try:
             writer, gathered = saving.write_shards(
                 location(here), f"rank_{rank:05d}.bin", staged, rank
