@@ -77,15 +77,8 @@ class PageSection:
     path: Path
 
     def put(self, markdown: str, page: Path) -> None:
-        start, end = f"<!-- {self.name}:start -->", f"<!-- {self.name}:end -->"
-        block = f"{start}\n{markdown.strip()}\n{end}"
         text = page.read_text() if page.exists() else "# The local tier\n"
-        if start in text and end in text:
-            head, rest = text.split(start, 1)
-            text = head + block + rest.split(end, 1)[1]
-        else:
-            text = text.rstrip("\n") + "\n\n" + block + "\n"
-        page.write_text(text)
+        page.write_text(report.with_block(text, self.name, markdown))
 
     def describe(self, page: Path) -> str:
         return f"the {self.name} section of {page}"

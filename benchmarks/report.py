@@ -166,8 +166,6 @@ class Section:
     path: Path = DOCS
 
     def put(self, markdown: str, page: Path) -> None:
-        start, end = f"<!-- {self.name}:start -->", f"<!-- {self.name}:end -->"
-        block = f"{start}\n{markdown.strip()}\n{end}"
         text = page.read_text() if page.exists() else ""
         if OTHERS in text:  # the marker line names every script that owns a part
             i = text.index(OTHERS)
@@ -175,15 +173,21 @@ class Section:
             text = text[:i] + OTHERS_LINE + (text[nl:] if nl >= 0 else "")
         else:
             text = text.rstrip("\n") + "\n\n" + OTHERS_LINE + "\n"
-        if start in text and end in text:
-            head, rest = text.split(start, 1)
-            text = head + block + rest.split(end, 1)[1]
-        else:
-            text = text.rstrip("\n") + "\n\n" + block + "\n"
-        page.write_text(text)
+        page.write_text(with_block(text, self.name, markdown))
 
     def describe(self, page: Path) -> str:
         return f"the {self.name} section of {page}"
+
+
+def with_block(text: str, name: str, markdown: str) -> str:
+    """``text`` with the block between ``name``'s markers replaced by ``markdown``, or the
+    block added at the end where there is none."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    block = f"{start}\n{markdown.strip()}\n{end}"
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        return head + block + rest.split(end, 1)[1]
+    return text.rstrip("\n") + "\n\n" + block + "\n"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -147,3 +147,15 @@ def sharded_regression(world: int, seed: int, width: int = 13) -> tuple[Any, Any
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=2e-2, weight_decay=0.01)
+
+
+def sharded_step(model: Any, opt: Any, step: int, rank: int) -> float:
+    """One AdamW step of :func:`sharded_regression`'s model; each rank's batch of each
+    step is drawn from its own seed (``1000 * step + rank``). Returns the loss."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(32, 4, generator=g)
+    loss = (model(x) - torch.sin(x).sum(dim=1, keepdim=True)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()

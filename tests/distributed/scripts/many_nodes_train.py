@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 import unbroken as ub
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
-from training_scripts import end_process, sharded_regression
+from training_scripts import end_process, sharded_regression, sharded_step
 
 WIDTH = 13  # 13 rows shard unevenly over 2 and 3 ranks (7+6, 5+5+3)
 
@@ -45,14 +45,8 @@ def train(model, opt, sched, steps: int, rank: int) -> list[float]:
     """y = sum(sin(x)): each rank draws its own batch of each step."""
     losses = []
     for step in range(steps):
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        x = torch.randn(32, 4, generator=g)
-        loss = (model(x) - torch.sin(x).sum(dim=1, keepdim=True)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        losses.append(sharded_step(model, opt, step, rank))
         sched.step()
-        losses.append(loss.item())
     return losses
 
 

@@ -33,18 +33,7 @@ import unbroken as ub
 from unbroken.tiers import node_folder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
-from training_scripts import end_process, sharded_regression
-
-
-def one_step(model, opt, step: int, rank: int) -> float:
-    """y = sum(sin(x)); each rank's batch of each step is drawn from its own seed."""
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(32, 4, generator=g)
-    loss = (model(x) - torch.sin(x).sum(dim=1, keepdim=True)).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    return loss.item()
+from training_scripts import end_process, sharded_regression, sharded_step
 
 
 def write_full(model, opt, path: Path, rank: int) -> None:
@@ -98,7 +87,7 @@ def main() -> None:
     if args.die_node is not None:
         die_before_commit(args.die_node)
     for step in range(start + 1, args.steps + 1):
-        record["losses"][step] = one_step(model, opt, step, rank)
+        record["losses"][step] = sharded_step(model, opt, step, rank)
         if args.saves and step == 2:
             ckpt.save(step)
         if args.saves and step >= 3:
