@@ -344,7 +344,8 @@ def render(data: dict, *, markdown: bool) -> str:
         "is the saved state bit for bit. The second table splits the slowest rank's time "
         "into its phases: *init + build* includes `init_process_group` (waiting for the "
         "slowest rank's import) and the FSDP2 model; *copies checked* is the local tier's "
-        "pass over every copy a node holds (`_check_copies`), *read + verify* the restore "
+        "pass over every copy a node holds (`_check_copies`: only after a read found "
+        "damage, since 2026-11-28; `-` when it did not run), *read + verify* the restore "
         "proper (`restoring.restore`). Floors: a node's share of the state, as a node "
         "restores it. Machine:\n",
         *report.bullets(data["info"]),

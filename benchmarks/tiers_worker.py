@@ -157,9 +157,10 @@ def save(args, rank: int, world: int, node: int) -> dict:
 
 
 def _timed_calls(spent: dict[str, float]) -> None:
-    """Time the restore's two passes over the bytes: the local tier's check of every copy
-    it holds (``_check_copies``) and the read, load and verification of the checkpoint
-    (``restoring.restore``, for either tier); their seconds summed into ``spent``."""
+    """Time the restore's passes over the bytes: the local tier's check of every copy it
+    holds (``_check_copies``, which runs only after a read found damage) and the read,
+    load and verification of the checkpoint (``restoring.restore``, for either tier);
+    their seconds summed into ``spent``."""
     from unbroken.core import restoring
     from unbroken.tiers import local_restore
 

@@ -121,7 +121,6 @@ def test_tiers_part_quick_smoke(tmp_path):
     assert set(json.loads(figures.read_text())["tiers"]["resumes"]["peer"]) >= {
         "restore",
         "first_step",
-        "check_copies",
         "read_verify",
     }
     text = page.read_text()
