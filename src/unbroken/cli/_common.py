@@ -31,6 +31,7 @@ from rich.progress import (
 from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from ..errors import CheckpointError, CheckpointNotFoundError
+from ..storage.posix import size_text
 from ..tools.reporting import jsonable
 from ._safe import SafeConsole, safe
 
@@ -185,12 +186,7 @@ def progress(description: str, *, unit: str = "bytes") -> Iterator[Callable[[int
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "?"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
+    return size_text(n)
 
 
 def when(unix: float | None) -> str:

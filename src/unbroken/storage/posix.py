@@ -144,23 +144,31 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def size_text(n: float) -> str:
+    """A byte count, readable (``"1.5 GiB"``)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def nearest_existing(path: Path) -> Path:
+    """``path``, or its nearest parent that exists."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def free_space(path: str | os.PathLike) -> str:
     """Free space on the file system holding ``path`` (or its nearest existing parent),
     readable (``"1.5 MiB"``); ``"unknown"`` if it cannot be told."""
     if not isinstance(path, (str, os.PathLike)):  # an object store's: not a disk
         return "unknown"
-    here = Path(path)
-    while not here.exists() and here != here.parent:
-        here = here.parent
     try:
-        free = float(shutil.disk_usage(here).free)
+        return size_text(shutil.disk_usage(nearest_existing(Path(path))).free)
     except OSError:
         return "unknown"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if free < 1024 or unit == "TiB":
-            return f"{free:.0f} {unit}" if unit == "B" else f"{free:.1f} {unit}"
-        free /= 1024
-    return "unknown"
 
 
 class WriteError(CheckpointError, OSError):

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from ..core import collective, saving
 from ..errors import CheckpointError
 from ..storage.locate import location
-from .node_folder import size_text
+from ..storage.posix import size_text
 from .replication import Job
 from .transfer import file_rank
 

@@ -235,12 +235,3 @@ def unsound(path: Path, name: str, doc: dict[str, Any]) -> str | None:
     except OSError as exc:
         return f"{name} cannot be read ({exc.strerror or exc})"
     return None
-
-
-def size_text(n: float) -> str:
-    """A byte count, readable (``"1.5 GiB"``)."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

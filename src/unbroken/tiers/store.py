@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 from ..core import collective
 from ..errors import CheckpointError
+from ..storage.posix import nearest_existing, size_text
 from .config import LocalTier
-from .node_folder import NodeFolder, size_text
+from .node_folder import NodeFolder
 from .nodes import Nodes
 from .replication import Job, Replicator
 
@@ -46,12 +47,6 @@ def fs_type(path: str | os.PathLike) -> str | None:
     except OSError:
         return None
     return kind
-
-
-def _nearest_existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
 
 
 class LocalStore:
@@ -88,7 +83,7 @@ class LocalStore:
         if not self.nodes.is_leader(rank):
             return
         path = self.folder.path
-        kind = fs_type(_nearest_existing(path))
+        kind = fs_type(nearest_existing(path))
         if kind in NETWORK_FS:
             raise CheckpointError(
                 f"the local tier folder {path} is on a network file system ({kind}): it "
