@@ -291,3 +291,18 @@ def test_older_readers_refuse_a_trainable_only_checkpoint(tmp_path):
     _saved(tmp_path)
     assert read_doc(tmp_path / "run", 3)["format_version"] == 2
     assert manifest.FORMAT_VERSION == 2
+
+
+def test_inspect_and_verify_show_the_frozen_part(tmp_path):
+    """The offline tools say what is not stored: inspect counts the frozen part, verify
+    passes on what is stored and says the frozen part cannot be verified alone."""
+    _saved(tmp_path)
+    detail = ub.inspect_checkpoint(tmp_path / "run", step=3)
+    assert detail.frozen is not None and detail.frozen.tensors == 4
+    assert detail.frozen.bytes == (6 * 32 + 32 + 32 * 32 + 32) * 4
+    assert detail.frozen.keys == sorted(f"model/{f}" for f in FROZEN)
+    assert not any(t.key in detail.frozen.keys for t in detail.tensors)
+    report = ub.verify_checkpoint(tmp_path / "run")
+    assert report.ok
+    notes = " ".join(w for c in report.checkpoints for w in c.warnings)
+    assert "cannot be verified alone" in notes and "--base" in notes

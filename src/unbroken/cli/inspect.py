@@ -172,6 +172,13 @@ def _print_detail(info: CheckpointInspection) -> None:
             human_bytes(t.bytes),
         )
     console.print(table)
+    if info.frozen is not None:
+        f = info.frozen
+        console.print(
+            f"  frozen base: {f.tensors} tensor(s), {human_bytes(f.bytes)}, verified by "
+            "fingerprint at restore, not stored"
+            + (f"; {f.stored} frozen tensor(s) stored (changed since the base)" if f.stored else "")
+        )
     if info.optimizer is not None:
         _print_coverage(console, info.optimizer)
 

@@ -14,6 +14,7 @@ detail imports it to read the ``step`` tensors.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +97,28 @@ class ComponentInfo:
 
 
 @dataclasses.dataclass
+class FrozenPart:
+    """The frozen parameters of a checkpoint saved with ``frozen="verify"``."""
+
+    tensors: int  # not stored: verified by fingerprint against the live base at restore
+    bytes: int  # their total size (not on disk)
+    stored: int  # frozen, but stored in full (changed since the base was recorded)
+    keys: list[str]  # the tensors not stored, sorted
+
+
+def frozen_part(doc: dict[str, Any]) -> FrozenPart | None:
+    """What a manifest's ``frozen`` records say, or None where it has none."""
+    records = doc.get("frozen") or {}
+    if not records:
+        return None
+    left_out = sorted(k for k, r in records.items() if not r["stored"])
+    size = sum(
+        math.prod(records[k]["shape"]) * manifest.ITEMSIZES[records[k]["dtype"]] for k in left_out
+    )
+    return FrozenPart(len(left_out), size, len(records) - len(left_out), left_out)
+
+
+@dataclasses.dataclass
 class CheckpointInspection(JsonResult):
     """One committed checkpoint in detail: what :func:`inspect_checkpoint` returns for a
     step folder or a given step (``unbroken inspect DIR --step N --json``)."""
@@ -114,6 +137,7 @@ class CheckpointInspection(JsonResult):
     # (None without an optimizer); its ``failures`` make ``unbroken verify`` fail
     fingerprint_format: str = ""  # e.g. ``mix64-v3``
     fingerprint_note: str | None = None  # set for an older, weaker format
+    frozen: FrozenPart | None = None  # saved with frozen="verify": the part not stored
 
 
 def inspect_checkpoint(
@@ -194,6 +218,7 @@ def _inspect_one(path: str | os.PathLike, step: int | None) -> CheckpointInspect
             optimizer=coverage,
             fingerprint_format=manifest.fingerprint_algorithm(doc),
             fingerprint_note=weakness(manifest.fingerprint_algorithm(doc)),
+            frozen=frozen_part(doc),
         )
     raise CheckpointError(f"{path} changed faster than it could be read")
 

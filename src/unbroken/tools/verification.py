@@ -31,6 +31,7 @@ from ..storage.locate import location
 from ..storage.names import MANIFEST, folder_step
 from .coverage import optimizer_coverage
 from .folders import is_step_folder, locate, step_folders
+from .inspection import frozen_part
 from .reporting import JsonResult, Progress, ProgressCount
 
 MAX_RELISTS = 100  # how often verification may start over because a save changed the folder
@@ -198,6 +199,14 @@ def _verify(
     except CheckpointError as exc:
         report.fail(MANIFEST, str(exc))
         return
+    base = frozen_part(doc)
+    if base is not None and base.tensors:
+        report.warnings.append(
+            f"the frozen base ({base.tensors} tensor(s), {base.bytes} bytes) is not stored "
+            '(saved with frozen="verify"): a restore verifies the live base against its '
+            "fingerprints, so this checkpoint cannot be verified alone for it; export needs "
+            "--base"
+        )
     absent = _check_files(folder, doc, report)
     _check_chunk_records(doc, report)
     _check_references(doc, report)
