@@ -24,7 +24,6 @@ folder under ``--tmpdir``. The state: Linear layers + AdamW after one step (abou
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -67,24 +66,7 @@ BLOCKED_MS_PER_GB = 2.0  # targets of issue 37
 RESUME_VS_COPY, LOCAL_VS_PERSISTENT = 1.5, 3.0
 
 
-@dataclasses.dataclass(frozen=True)
-class PageSection:
-    """The generated section of a page of its own, between ``<!-- NAME:start -->`` and
-    ``<!-- NAME:end -->`` (in place of the old one, else at the end), the rest of the
-    page (hand-written) kept as it is."""
-
-    name: str
-    path: Path
-
-    def put(self, markdown: str, page: Path) -> None:
-        text = page.read_text() if page.exists() else "# The local tier\n"
-        page.write_text(report.with_block(text, self.name, markdown))
-
-    def describe(self, page: Path) -> str:
-        return f"the {self.name} section of {page}"
-
-
-SECTION = PageSection("tiers-benchmark", PAGE)
+SECTION = report.PageSection("tiers-benchmark", PAGE, "# The local tier")
 
 
 # Measuring ------------------------------------------------------------------------------

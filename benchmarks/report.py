@@ -203,6 +203,24 @@ class Page:
         return str(page)
 
 
+@dataclasses.dataclass(frozen=True)
+class PageSection:
+    """The generated section of a page of its own, between ``<!-- NAME:start -->`` and
+    ``<!-- NAME:end -->`` (in place of the old one, else at the end), the rest of the
+    page (hand-written) kept as it is; a missing page starts with ``title``."""
+
+    name: str
+    path: Path
+    title: str
+
+    def put(self, markdown: str, page: Path) -> None:
+        text = page.read_text() if page.exists() else self.title + "\n"
+        page.write_text(with_block(text, self.name, markdown))
+
+    def describe(self, page: Path) -> str:
+        return f"the {self.name} section of {page}"
+
+
 HEALTH = Page(ROOT / "docs" / "health-check.md")
 
 

@@ -23,11 +23,14 @@ Every way to save and restore is a contender (``contenders.py``). The parts, eac
 - ``tiers`` (``part_tiers.py``, ``tiers_worker.py``): the local tier over two torchrun
   agents: saves blocked, until replicated, resumes in a fresh launch from memory, a peer,
   the disk and DCP, and their floors: the ``Benchmark`` section of docs/tiers.md.
+- ``frozen`` (``part_frozen.py``): trainable-only saves (``frozen="verify"``) against full
+  ones, and the Hugging Face export and import against the disk floor: the ``Benchmark``
+  section of docs/fine-tuning.md.
 - ``device`` (``part_device.py``): one process on ``--device`` (a GPU), floors and every
   contender: docs/benchmarks-gpu.md (``benchmarks/gpu.py`` runs it).
 
 On ``--device cpu`` the first four run by default (``tiers``: ``--parts tiers``, with
-``--results docs/tiers.json``); on ``--device cuda``, ``device``.
+``--results docs/tiers.json``; ``frozen``: ``--parts frozen``); on ``--device cuda``, ``device``.
 ``--results FILE`` keeps every part's raw figures as JSON; ``--render FILE`` measures
 nothing and renders the parts that FILE holds (also the JSON an older ``save_restore.py``
 or ``gpu.py --results`` wrote). Never asserts timings.
@@ -50,6 +53,7 @@ import torch
 import common
 import part_async
 import part_device
+import part_frozen
 import part_peers
 import part_single
 import part_store
@@ -76,6 +80,7 @@ PARTS = {
     "store": Part(part_store.measure, part_store.render, part_store.SECTION),
     "device": Part(part_device.measure, part_device.render, part_device.PAGE),
     "tiers": Part(part_tiers.measure, part_tiers.render, part_tiers.SECTION),
+    "frozen": Part(part_frozen.measure, part_frozen.render, part_frozen.SECTION),
 }
 CPU_PARTS = ["single", "peers", "async", "store"]
 
@@ -111,6 +116,7 @@ def options() -> argparse.ArgumentParser:
     add("--store-mb", type=float, default=part_store.MB, help="state size of store (MB)")
     add("--tier-mb", type=float, default=part_tiers.MB, help="state size of tiers (MB)")
     add("--tier-nproc", type=int, default=part_tiers.NPROC, help="ranks per agent of tiers")
+    add("--frozen-mb", type=float, default=part_frozen.MB, help="weights of frozen (MB)")
     add("--repeats", "--runs", type=int, help="runs per measurement (default 5; device 3)")
     add("--width", type=int, help="Linear layer width (default 2048; device 4096)")
     add("--tmpdir", default=tempfile.gettempdir(), help="where the checkpoints go (one disk)")

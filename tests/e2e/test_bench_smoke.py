@@ -72,18 +72,19 @@ def test_peers_benchmark_quick_smoke(tmp_path):
     assert "Where ours is behind" in out
 
 
-def test_async_and_store_parts_quick_smoke(tmp_path):
-    """The parts async and store still measure and print their sections; --render prints
-    the same sections again from the figures --results kept."""
+def test_async_store_and_frozen_parts_quick_smoke(tmp_path):
+    """The parts async, store and frozen still measure and print their sections; --render
+    prints the same sections again from the figures --results kept."""
     figures, page = tmp_path / "figures.json", tmp_path / "page.md"
     done = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--parts", "async", "store", "--tmpdir",
-         str(tmp_path), "--results", str(figures)],
+        [sys.executable, str(BENCH), "--quick", "--parts", "async", "store", "frozen",
+         "--tmpdir", str(tmp_path), "--results", str(figures)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     for row in ("| `False`", "| `'overlap'`", "| one copy into preallocated memory",
-                "| save: S3 (moto, loopback)", "| restore: local disk"):  # fmt: skip
+                "| save: S3 (moto, loopback)", "| restore: local disk", '| `frozen="verify"`',
+                "| floor: its bytes written, fsynced"):  # fmt: skip
         assert row in done.stdout, row
     rendered = subprocess.run(
         [sys.executable, str(BENCH), "--render", str(figures)],
@@ -95,9 +96,10 @@ def test_async_and_store_parts_quick_smoke(tmp_path):
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
-    assert again.stdout.count("wrote ") == 2, again.stdout[-2000:]
+    assert again.stdout.count("wrote ") == 3, again.stdout[-2000:]
     text = page.read_text()
     assert "<!-- async:start -->" in text and "<!-- object-store:end -->" in text, text[:2000]
+    assert "<!-- frozen-benchmark:start -->" in text, text[:2000]
 
 
 def test_tiers_part_quick_smoke(tmp_path):
