@@ -272,3 +272,12 @@ def test_sigterm_saves_and_stops(tmp_path):
     assert signal.getsignal(signal.SIGTERM) == before
     with ub.Checkpointer(tmp_path / "run", model=torch.nn.Linear(1, 1)) as ckpt:
         assert ckpt.steps() == [10, 13]
+
+
+def test_frozen_is_passed_to_the_checkpointer(tmp_path):
+    """``frozen="verify"`` reaches the Checkpointer the callback builds (checked when the
+    callback is made: a wrong value is refused at once, not at training start)."""
+    callback = lightning_ext.UnbrokenCallback(tmp_path / "ckpts", frozen="verify")
+    assert callback._options["frozen"] == "verify"
+    with pytest.raises(ValueError, match='frozen must be "save" or "verify"'):
+        lightning_ext.UnbrokenCallback(tmp_path / "ckpts", frozen="yes")

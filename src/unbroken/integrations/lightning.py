@@ -46,6 +46,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, StateMismatchError
+from ..live.frozen import check_mode
 from ..live.probe import Probe
 from ..report import RestoreReport
 from . import _lightning_fsdp
@@ -89,6 +90,8 @@ class UnbrokenCallback(pl.Callback):
             returned loss).
         grad_norm_metric: the name the gradients' total L2 norm (before clipping) is
             tracked under; None tracks none.
+        frozen: ``"verify"``: frozen parameters are not saved, their fingerprints are,
+            checked at restore (see ``Checkpointer``, docs/fine-tuning.md).
 
     Attributes:
         checkpointer: the :class:`unbroken.Checkpointer`, once training started.
@@ -123,6 +126,7 @@ class UnbrokenCallback(pl.Callback):
         async_save: bool | str = False,
         loss_metric: str = "loss",
         grad_norm_metric: str | None = "grad_norm",
+        frozen: str = "save",
     ) -> None:
         if every_n_steps is not None and (not isinstance(every_n_steps, int) or every_n_steps < 1):
             raise ValueError(f"every_n_steps must be >= 1 or None, got {every_n_steps!r}")
@@ -134,6 +138,7 @@ class UnbrokenCallback(pl.Callback):
             async_save=async_save,
             loss_metric=loss_metric,
             grad_norm_metric=grad_norm_metric,
+            frozen=check_mode(frozen),
         )
         self._extra = dict(extra or {})
         if isinstance(reset, str) or not all(isinstance(name, str) for name in reset):
