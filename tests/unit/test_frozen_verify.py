@@ -306,3 +306,25 @@ def test_inspect_and_verify_show_the_frozen_part(tmp_path):
     assert report.ok
     notes = " ".join(w for c in report.checkpoints for w in c.warnings)
     assert "cannot be verified alone" in notes and "--base" in notes
+
+
+def test_diff_compares_the_frozen_part_by_fingerprint(tmp_path):
+    """diff of a full checkpoint and a trainable-only one of the same state: identical
+    (the frozen part compared by fingerprint, not "only in A"); of two trainable-only ones
+    on different bases: the changed parameter named."""
+    for name, mode, nudge in (("full", "save", False), ("mine", "verify", False),
+                              ("other", "verify", True)):  # fmt: skip
+        model = make_model()
+        if nudge:
+            with torch.no_grad():
+                model[0].bias[3] += 1
+        opt = optimizer_for(model)
+        with ub.Checkpointer(tmp_path / name, model=model, optimizer=opt, frozen=mode) as ck:
+            train(model, opt, 0, 1)
+            ck.save(1)
+    same = ub.diff_checkpoints(tmp_path / "full", tmp_path / "mine")
+    assert same.identical, [(t.key, t.status) for t in same.tensors if t.status != "equal"]
+    other = ub.diff_checkpoints(tmp_path / "mine", tmp_path / "other")
+    changed = {t.key: t.status for t in other.tensors if t.status != "equal"}
+    assert changed.get("model/0.bias") == "values"
+    assert "model/0.weight" not in changed

@@ -68,6 +68,8 @@ MAX_STATE = 10  # non-tensor state differences shown per component
 def _describe(t: TensorDiff) -> tuple[str, str]:
     """(what differs, max |A-B|) for the table."""
     worst = "" if t.max_abs_diff is None else f"{t.max_abs_diff:.4g}"
+    if t.status == "values" and t.differing is None:  # a frozen base proven, not stored
+        return "fingerprint (not stored)", worst
     if t.status == "values":
         numel = math.prod(t.shape_a or [])
         return f"{t.differing} of {numel} value(s)", worst

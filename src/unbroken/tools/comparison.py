@@ -14,16 +14,18 @@ naturally: ``layers.2`` before ``layers.10``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
 import re
 from collections.abc import Iterable
 from typing import Any, Literal
+from urllib.parse import unquote
 
 import torch
 
-from ..format import bitwise, manifest
+from ..format import bitwise, manifest, tree
 from ..format.state_compare import skeleton_differences, skeletons
 from ..format.tensor_reader import TensorReader
 from ..proof.generators import differing, label
@@ -176,14 +178,15 @@ def diff(
         else:
             summaries[name] = ComponentSummary(name, "identical")
             summaries[name].state_differences = skeleton_differences(
-                skeletons(doc_a, name), skeletons(doc_b, name), name
+                _with_frozen(doc_a, name), _with_frozen(doc_b, name), name
             )
     # Equal fingerprints mean equal values only within one fingerprint format.
     same_format = manifest.fingerprint_algorithm(doc_a) == manifest.fingerprint_algorithm(doc_b)
     trust_prints = not full and same_format
     keys = []
-    for key in sorted(set(doc_a["tensors"]) | set(doc_b["tensors"]), key=natural_key):
-        comp = owner_a.get(key) or owner_b.get(key)
+    every = {*doc_a["tensors"], *doc_b["tensors"], *_left_out(doc_a), *_left_out(doc_b)}
+    for key in sorted(every, key=natural_key):
+        comp = owner_a.get(key) or owner_b.get(key) or key.split("/", 1)[0]
         if comp not in skip and not (comp in summaries and summaries[comp].status == "skipped"):
             keys.append((key, comp))
     count = ProgressCount(progress, len(keys))
@@ -222,8 +225,34 @@ def natural_key(text: str) -> list[Any]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
+def _left_out(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The frozen parameters a checkpoint proves by fingerprint instead of storing."""
+    return {k: r for k, r in (doc.get("frozen") or {}).items() if not r.get("stored")}
+
+
+def _with_frozen(doc: dict[str, Any], name: str) -> list[Any]:
+    """Component ``name``'s skeletons, with a reference for each frozen parameter left
+    out of the files (the live model holds it; a full save would list it there)."""
+    found = skeletons(doc, name)
+    prefix = tree.join_key(name) + "/"
+    missing = [k for k in _left_out(doc) if k.startswith(prefix)]
+    if not missing or len(found) != 1 or not isinstance(found[0], dict):
+        return found
+    state = copy.deepcopy(found[0])
+    for key in missing:
+        *models, fqn = [unquote(part) for part in key[len(prefix) :].split("/")]
+        place = state
+        for model in models:
+            place = place.setdefault(model, {})
+        place[fqn] = {tree.TAG: "tensor", "key": key}
+    return [state]
+
+
 def _compare(key, comp, doc_a, doc_b, ra, rb, trust_prints) -> TensorDiff:
     ea, eb = doc_a["tensors"].get(key), doc_b["tensors"].get(key)
+    fa, fb = _left_out(doc_a).get(key), _left_out(doc_b).get(key)
+    if fa is not None or fb is not None:
+        return _compare_proven(key, comp, ea or fa, eb or fb, ra, rb)
     if ea is None:
         return TensorDiff(key, comp, "only_b", dtype_b=eb["dtype"], shape_b=eb["shape"])
     if eb is None:
@@ -246,6 +275,26 @@ def _compare(key, comp, doc_a, doc_b, ra, rb, trust_prints) -> TensorDiff:
     row.max_abs_diff = _max_abs_diff(ta, tb, differs) if row.differing else 0.0
     if row.differing:
         row.status = "values"
+    return row
+
+
+def _compare_proven(key, comp, ea, eb, ra, rb) -> TensorDiff:
+    """A tensor that one checkpoint (or both) proves by fingerprint, not stored: equal
+    where shape, dtype and fingerprint are (the checkpoints' fingerprint formats are
+    the same: a record is always in its manifest's); the values cannot be compared."""
+    if ea is None:
+        return TensorDiff(key, comp, "only_b", dtype_b=eb["dtype"], shape_b=eb["shape"])
+    if eb is None:
+        return TensorDiff(key, comp, "only_a", dtype_a=ea["dtype"], shape_a=ea["shape"])
+    row = TensorDiff(key, comp, "equal", ea["dtype"], eb["dtype"], ea["shape"], eb["shape"])
+    if ea["shape"] != eb["shape"]:
+        row.status = "shape"
+    elif ea["dtype"] != eb["dtype"]:
+        row.status = "dtype"
+    elif ea["fingerprint"] != eb["fingerprint"]:
+        row.status = "values"  # how many elements differ is not known
+    else:
+        row.differing, row.max_abs_diff = 0, 0.0
     return row
 
 
