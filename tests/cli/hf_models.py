@@ -71,3 +71,8 @@ def assert_same_state(a: nn.Module, b: nn.Module) -> None:
     assert sa.keys() == sb.keys()
     for k in sa:
         assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
+
+
+def llama_lora() -> nn.Module:
+    """``--model`` factory: the base Llama (seed 0) with a fresh LoRA adapter."""
+    return lora(llama())
