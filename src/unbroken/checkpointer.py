@@ -103,6 +103,14 @@ class Checkpointer:
             like any restore, else falls back (loudly) to the persistent tier.
             Constructing it is collective (the nodes are found, each node's folder is
             checked: writable, in local memory, one job's, with room).
+        frozen: ``"save"`` (default): every parameter is saved. ``"verify"``: parameters
+            that do not require grad (a fine-tune's base) are not written; their
+            fingerprints are, and ``restore()`` checks the live ones against them bit for
+            bit before anything changes (``StateMismatchError`` naming them otherwise:
+            load the same base, revision and dtype first). One that changed since the
+            previous save (an in-place edit, an EMA) is saved in full with a warning, and
+            so is a parameter that shares a name or memory with a trainable one
+            (docs/fine-tuning.md). Either mode restores checkpoints of the other.
 
     Example::
 
@@ -133,6 +141,7 @@ class Checkpointer:
         trackers: Sequence[Tracker] | None = None,
         gradients: str = "warn",
         local: LocalTier | None = None,
+        frozen: str = "save",
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or keep_last < 1):
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last!r}")
@@ -143,7 +152,13 @@ class Checkpointer:
         self._model = model
         self._probe = probe
         self._components = build_components(
-            model, optimizer, scheduler, dataloader, extra, gradients=grads.check_mode(gradients)
+            model,
+            optimizer,
+            scheduler,
+            dataloader,
+            extra,
+            gradients=grads.check_mode(gradients),
+            frozen=frozen,
         )
         self._run = Run(
             self._dir,

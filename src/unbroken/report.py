@@ -32,6 +32,8 @@ class RestoreReport:
             node's own memory), ``"peer"`` (the local tier, some files fetched from
             another node's copy), ``"persistent"`` (the checkpoint folder); None on a
             fresh start.
+        frozen_verified: frozen parameters the checkpoint does not store (saved with
+            ``frozen="verify"``) whose live values were checked against its fingerprints.
     """
 
     step: int = 0
@@ -46,6 +48,7 @@ class RestoreReport:
     searched: str | None = None
     found: str | None = None
     source: str | None = None
+    frozen_verified: int = 0
 
     @property
     def headline(self) -> str:
@@ -75,6 +78,11 @@ class RestoreReport:
                 f"  {ws}{' (resharded)' if self.resharded else ''}",
                 f"  verified: {'yes, bit-exact' if self.verified else 'NO'}",
             ]
+            if self.frozen_verified:
+                lines.append(
+                    f"  frozen base: {self.frozen_verified} parameter(s) not stored, the live "
+                    "ones verified by fingerprint"
+                )
         for name, status in self.components.items():
             lines.append(f"  {name:<12} {status}")
         lines.extend(f"  warning: {w}" for w in self.warnings)

@@ -44,7 +44,7 @@ from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, live_tensors
 from ..report import RestoreReport
 from ..storage.interface import Location
-from . import collective, verify
+from . import collective, frozen, verify
 from .transaction import Transaction
 
 logger = logging.getLogger(__name__)
@@ -122,13 +122,18 @@ def restore(
     """
     started = time.perf_counter()
     plan = plan_components(doc, components, request)
-    targets = build_targets(folder, doc, plan)
-    if before_read is not None:
-        before_read(targets)
-    loaded = read_and_check(folder, doc, plan, targets)
-    with Transaction(plan.active, loaded.undo) as transaction:
-        install(plan, targets, loaded, transaction)
-        verify_live(plan, targets, loaded, doc, request)
+    # Frozen parameters the checkpoint proves by fingerprint instead of storing them are
+    # checked first; they keep their live values, left out of every capture below.
+    base = frozen.check_base(doc, plan.active, folder)
+    with frozen.omitting(base.omit):
+        targets = build_targets(folder, doc, plan)
+        if before_read is not None:
+            before_read(targets)
+        loaded = read_and_check(folder, doc, plan, targets)
+        with Transaction(plan.active, loaded.undo) as transaction:
+            install(plan, targets, loaded, transaction)
+            verify_live(plan, targets, loaded, doc, request)
+    frozen.adopt(doc, plan.active, base)
     if request.probe_fn is not None and not doc.get("probe"):
         plan.warnings.append("a probe was given but the checkpoint recorded none; not checked")
     resharded = plan.saved_world != plan.world or loaded.recut
@@ -148,8 +153,10 @@ def restore(
         world_size=plan.world,
         resharded=resharded,
         warnings=plan.warnings,
+        frozen_verified=sum(map(len, base.omit.values())),
     )
-    return Restored(report, loaded.fingerprints.partials, loaded.fingerprints.algorithm)
+    installed = {**base.held, **loaded.fingerprints.partials}
+    return Restored(report, installed, loaded.fingerprints.algorithm)
 
 
 _RESHARDED = (

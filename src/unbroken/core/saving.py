@@ -23,11 +23,12 @@ from ..format import fingerprint, layout, manifest, tree
 from ..format.shard_writer import ShardWriter, write_files
 from ..format.shards import quiet_single_process
 from ..live import gradients, stages
+from ..live.adapters import peft_configs
 from ..live.components import rank_prefix
 from ..live.optimizer import OptimizerComponent
 from ..live.state import Component, ModelComponent, StatefulComponent, device_kind
 from ..storage.interface import CheckpointDir, Location
-from . import collective, replicas, verify
+from . import collective, frozen, replicas, verify
 from .staging import StagingBuffers, settle
 
 logger = logging.getLogger(__name__)
@@ -99,6 +100,8 @@ class Staged:
     notes: list[str] = dataclasses.field(default_factory=list)
     # This rank's parameters holding gradients at capture (live/gradients.py: held).
     gradients: list[str] = dataclasses.field(default_factory=list)
+    # The manifest's ``frozen`` records (frozen="verify": core/frozen.py).
+    frozen: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 def stage(
@@ -117,7 +120,9 @@ def stage(
     rank = collective.rank()
     captured: dict[str, Any] = {}
 
-    def capture() -> tuple[dict[str, str], dict[str, str]]:
+    verifying = frozen.verifying(request.components)
+
+    def capture() -> tuple[dict[str, str], dict[str, str], dict[str, dict]]:
         digests, names = {}, {}
         for c in request.components:
             captured[c.name] = c.capture()
@@ -125,11 +130,25 @@ def stage(
                 digests[c.name] = _digest(captured[c.name], c.name)
             elif isinstance(c, ModelComponent):
                 names[c.name] = _names_digest(captured[c.name])
-        return digests, names
+        shares = {
+            c.name: frozen.shares(c, c.frozen_keys(), fingerprint.ALGORITHM, captured[c.name])
+            for c in verifying
+        }
+        return digests, names, shares
 
     gathered = collective.agree_all(capture)
-    partitioned = _partitioned(request.components, [names for _, names in gathered])
-    digests = [d for d, _ in gathered]
+    partitioned = _partitioned(request.components, [names for _, names, _ in gathered])
+    digests = [d for d, _, _ in gathered]
+    frozen_records, frozen_warnings = {}, []
+    for c in verifying:
+        found = frozen.fingerprints([shares.get(c.name, {}) for _, _, shares in gathered])
+        omit, records, warning = frozen.decide(c, {k: r for k, r in found.items() if r})
+        captured[c.name] = frozen.without(c, captured[c.name], omit)
+        frozen_records.update(records)
+        frozen_warnings += [warning] if warning else []
+    if rank == 0:
+        for warning in frozen_warnings:
+            logger.warning("step %d: %s", request.step, warning)
     differ = {name for name in digests[0] if len({d[name] for d in digests}) > 1}
     per_rank = {c.name for c in request.components if c.per_rank or c.name in differ}
     if rank == 0:
@@ -165,7 +184,8 @@ def stage(
             per_rank,
             deferred,
             partitioned=partitioned,
-            notes=notes,
+            notes=notes + frozen_warnings,
+            frozen=frozen_records,
             gradients=gradients.held(request.components, request.gradient_watch),
         )
 
@@ -400,7 +420,15 @@ def _manifest_body(
         probes=probes if probes[0] is not None else None,
         warnings=warnings,
         gradients=held,
+        frozen=staged.frozen,
+        peft=_peft(request.components),
     )
+
+
+def _peft(components: list[Component]) -> dict[str, Any] | None:
+    """The PEFT adapters' configurations of the (first) model, if it is a PEFT model."""
+    models = [c for c in components if isinstance(c, ModelComponent)]
+    return peft_configs(models[0].models) if models else None
 
 
 def _component_entries(

@@ -39,7 +39,10 @@ logger = logging.getLogger(__name__)
 REREADS = 2
 
 FORMAT = "unbroken-checkpoint"
-FORMAT_VERSION = 1
+# The newest format this version reads. A checkpoint is written as version 1 unless it
+# leaves out frozen parameters (version 2): older readers, which would find them missing,
+# refuse it with "upgrade unbroken" instead.
+FORMAT_VERSION = 2
 MAX_MANIFEST_BYTES = 512 * 1024 * 1024
 # Before it is parsed (which takes up to ~26x its size in memory), a manifest's size is
 # judged against the checkpoint it describes: a base, a budget per shard file (per-rank
@@ -133,11 +136,15 @@ def document(
     probes: list[Any] | None,
     warnings: list[str],
     gradients: dict[str, Any] | None = None,
+    frozen: dict[str, Any] | None = None,
+    peft: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A checkpoint's manifest document, as :func:`encode` seals it and :func:`read`
     checks it (``schema.py`` says what each field may hold). ``gradients``: how many
     parameters held gradients at save and whether they were saved (live/gradients.py),
-    left out when none did."""
+    left out when none did. ``frozen``: the frozen parameters' records (tensor key ->
+    dtype, shape, fingerprint, stored; core/frozen.py), left out when there are none.
+    ``peft``: a PEFT model's adapter configurations (live/adapters.py)."""
     import torch
 
     from .._version import __version__
@@ -162,7 +169,15 @@ def document(
         "probe": {"ranks": probes} if probes is not None else None,
         **({"save_warnings": warnings} if warnings else {}),
         **({"gradients": gradients} if gradients else {}),
+        **({"frozen": frozen} if frozen else {}),
+        **({"peft": peft} if peft else {}),
     }
+
+
+def version_of(body: dict[str, Any]) -> int:
+    """The format version a manifest with this body is written as."""
+    left_out = any(not r.get("stored") for r in (body.get("frozen") or {}).values())
+    return 2 if left_out else 1
 
 
 def _digest(body: dict[str, Any]) -> str:
@@ -191,7 +206,7 @@ def encode(directory: Location | str | os.PathLike, body: dict[str, Any]) -> byt
             "one manifest. Nothing was committed; please report this with how each rank "
             "builds its model and optimizers"
         )
-    doc = dict(body, format=FORMAT, format_version=FORMAT_VERSION)
+    doc = dict(body, format=FORMAT, format_version=version_of(body))
     doc["manifest_checksum"] = _digest(doc)
     path = directory / MANIFEST
     data = json.dumps(_layout(doc), indent=1, allow_nan=False).encode()

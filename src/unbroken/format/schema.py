@@ -137,6 +137,29 @@ def _validate(doc: dict[str, Any]) -> None:
             _fail("save_warnings", f"{len(notes)} entries, more than {MAX_SAVE_WARNINGS}")
     if doc.get("gradients") is not None:  # optional: parameters holding gradients at save
         _gradients(_dict(doc["gradients"], "gradients"))
+    if doc.get("frozen") is not None:  # optional: frozen="verify" saves
+        for key, entry in _dict(doc["frozen"], "frozen").items():
+            _frozen(_str(key, "frozen", MAX_NAME), entry, tensors)
+    if doc.get("peft") is not None:  # optional: a PEFT model's adapter configurations
+        for name, config in _dict(doc["peft"], "peft").items():
+            _dict(config, f"peft/{_str(name, 'peft', MAX_SHORT)}")
+
+
+def _frozen(key: str, entry: Any, tensors: dict) -> None:
+    where = f"frozen/{key}"
+    entry = _dict(entry, where)
+    if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in ITEMSIZES:
+        _fail(where, f"unknown dtype {_short(entry.get('dtype'))}")
+    shape = _list(entry.get("shape"), f"{where}/shape")
+    if len(shape) > MAX_DIMS:
+        _fail(f"{where}/shape", f"{len(shape)} dimensions")
+    for i, n in enumerate(shape):
+        _int(n, f"{where}/shape/{i}")
+    _str(entry.get("fingerprint"), f"{where}/fingerprint", MAX_SHORT)
+    if not isinstance(entry.get("stored"), bool):
+        _fail(f"{where}/stored", f"{_short(entry.get('stored'))} is not true or false")
+    if not entry["stored"] and key in tensors:
+        _fail(where, "recorded as not stored, yet listed among the stored tensors")
 
 
 def _gradients(found: dict[str, Any]) -> None:

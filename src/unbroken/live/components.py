@@ -38,10 +38,11 @@ def build_components(
     extra: Mapping[str, Any] | None,
     *,
     gradients: str = "warn",
+    frozen: str = "save",
 ) -> list[Component]:
     """One component per argument given; ``rng`` always; ``gradients`` with
-    ``gradients="save"`` (live/gradients.py)."""
-    model_c = ModelComponent(model)
+    ``gradients="save"`` (live/gradients.py); ``frozen``: the model's frozen mode."""
+    model_c = ModelComponent(model, frozen_mode=frozen)
     comps: list[Component] = [model_c]
     if optimizer is not None:
         comps.append(OptimizerComponent(optimizer, model_c))

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
 from ..format import layout, tree
 from ..format.manifest import DTYPES
-from . import exchange, fsdp1, torch_compat
+from . import exchange, frozen, fsdp1, torch_compat
 from .torch_compat import normalized_fqns
 
 _MAX_LISTED = 5
@@ -123,9 +123,21 @@ class ModelComponent(Component):
     kind = "model"
     verify_live = True
 
-    def __init__(self, model: nn.Module | Mapping[str, nn.Module], name: str = "model") -> None:
+    def __init__(
+        self,
+        model: nn.Module | Mapping[str, nn.Module],
+        name: str = "model",
+        frozen_mode: str = "save",
+    ) -> None:
         self.name = name
         self.models = named(model, nn.Module, "model")
+        # "verify": frozen parameters are left out of saves, proven by fingerprint
+        # (core/frozen.py keeps the base's record in ``base``).
+        self.frozen_mode = frozen.check_mode(frozen_mode)
+        self.base: frozen.Base | None = None
+        # Tensor keys every capture leaves out (a restore of a checkpoint that did not
+        # store them sets it while it runs).
+        self.omit: frozenset[str] = frozenset()
         # FSDP1 models give their sharded state as DTensors within fsdp1.sharded_state.
         self.fsdp1 = {
             key: fsdp1.is_fsdp1(m, "model" if key is None else f"model[{key!r}]")
@@ -138,6 +150,24 @@ class ModelComponent(Component):
         return fsdp1.sharded_state(self.models[key]) if self.fsdp1[key] else nullcontext()
 
     def capture(self) -> Any:
+        """The model's state (keyed by normalized FQN), without the keys in :attr:`omit`."""
+        state = self.capture_all()
+        if not self.omit:
+            return state
+        return frozen.without(state, self.omit, self.name, None not in self.models)
+
+    def frozen_keys(self) -> set[str]:
+        """Tensor keys of the frozen parameters (live/frozen.py says which count)."""
+        return frozen.frozen_keys(self.models, self.name)
+
+    def frozen_tensors(self, keys: set[str], state: Any = None) -> dict[str, torch.Tensor]:
+        """The live tensors of ``keys`` in a full capture (``state``, else a new one)."""
+        state = self.capture_all() if state is None else state
+        return frozen.tensors_of(state, keys, self.name, None not in self.models)
+
+    def capture_all(self) -> Any:
+        """The model's whole state, keyed by normalized FQN."""
+
         # torch returns an OrderedDict; a plain dict keeps the model's skeleton a JSON
         # object keyed by FQN (what offline tools read), in the same order. The container
         # type means nothing here: set_model_state_dict takes any mapping. strict=False:
@@ -276,7 +306,8 @@ class ModelComponent(Component):
         return exchange.plan(self.models, live, targets)
 
     def install(self, state: Any) -> None:
-        options = StateDictOptions(strict=True)
+        # Left-out frozen parameters keep their live values; targets() checked the rest.
+        options = StateDictOptions(strict=not self.omit)
         for name, module in self.models.items():
             part = state if name is None else state[name]
             if not part:  # an empty part has no live tensors either (checked by targets())
