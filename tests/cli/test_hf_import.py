@@ -71,19 +71,25 @@ def test_a_single_file_hf_folder_imports_with_the_cli(tmp_path):
 
 def test_a_peft_adapter_imports_onto_the_factorys_base_and_resumes(tmp_path):
     """A PEFT adapter folder lands on the factory's PeftModel: every adapter tensor
-    mapped onto its `.default.` FQN, the base from the factory; one more step after
-    restore equals one more step of the original."""
+    mapped onto its `.default.` FQN, the base from the factory; saved with --frozen
+    verify the base is not stored; one more step after restore equals one more step of
+    the original."""
+    from unbroken.format import manifest
+
     trained = _trained(tmp_path, peft=True)
     config = tmp_path / "cfg"
     trained.peft_config["default"].save_pretrained(config)
     ub.export_checkpoint(tmp_path / "run", tmp_path / "adapter", format="peft", config=config)
     info = run_json(
         "import", tmp_path / "adapter", tmp_path / "imported", "--model",
-        "cli.hf_models:llama_lora", "--step", "2",
+        "cli.hf_models:llama_lora", "--step", "2", "--frozen", "verify",
     )  # fmt: skip
     n_adapter = len(load_file(str(tmp_path / "adapter" / "adapter_model.safetensors")))
     assert info["source_kind"] == "peft" and info["model_tensors"] == n_adapter
     assert info["from_factory"] == len(trained.state_dict()) - n_adapter
+    doc = manifest.read(tmp_path / "imported" / "step_00000002")
+    assert len(doc["frozen"]) == info["from_factory"]
+    assert not any(r["stored"] for r in doc["frozen"].values())
     expected = _one_more_step(copy.deepcopy(trained))
     hf.assert_same_state(expected, _resumed(tmp_path / "imported", hf.llama_lora()))
 
