@@ -149,26 +149,19 @@ def export_checkpoint(
         if format == "safetensors":
             files, count, size = _write_single(source, to, target, metadata, progress)
         else:
+            options = hf_export.FolderOptions(
+                dtype=target,
+                max_shard_size=shard_size,
+                config=config_path,
+                adapter=adapter,
+                metadata=metadata,
+                progress=progress,
+            )
+            write = (
+                hf_export.write_model_folder if format == "hf" else hf_export.write_adapter_folder
+            )
             with hf_export.partial_folder(to) as folder:
-                if format == "hf":
-                    files, count, size = hf_export.write_model_folder(
-                        source,
-                        folder,
-                        dtype=target,
-                        max_shard_size=shard_size,
-                        config=config_path,
-                        metadata=metadata,
-                        progress=progress,
-                    )
-                else:
-                    files, count, size = hf_export.write_adapter_folder(
-                        source,
-                        folder,
-                        dtype=target,
-                        config=config_path,
-                        adapter=adapter,
-                        progress=progress,
-                    )
+                files, count, size = write(source, folder, options)
         skipped = _non_tensor_model_state(source.doc)
         return ExportResult(
             str(to),

@@ -22,6 +22,7 @@ partial folder is removed and nothing appears at the destination.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -106,15 +107,20 @@ def shard_name(index: int, count: int) -> str:
     return SINGLE if count == 1 else f"model-{index + 1:05d}-of-{count:05d}.safetensors"
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FolderOptions:
+    """What a folder export is asked for (``export_checkpoint``'s arguments, parsed)."""
+
+    dtype: torch.dtype | None  # floating-point tensors cast to this; None: kept
+    max_shard_size: int  # hf: bytes per shard at most
+    config: Path | None  # hf: config.json (or its folder); peft: adapter_config.json
+    adapter: str  # peft: the adapter exported
+    metadata: dict[str, str]  # hf: each shard's __metadata__
+    progress: Progress | None
+
+
 def write_model_folder(
-    source: ExportSource,
-    folder: Path,
-    *,
-    dtype: torch.dtype | None,
-    max_shard_size: int,
-    config: Path | None,
-    metadata: dict[str, str],
-    progress: Progress | None,
+    source: ExportSource, folder: Path, options: FolderOptions
 ) -> tuple[list[str], int, int]:
     """Write the HF model folder's files into ``folder`` (the partial one).
 
@@ -122,9 +128,10 @@ def write_model_folder(
         (file names written, tensors written, bytes of tensor data).
     """
     fqns = source.model_tensors()
-    entries = [source.entry(fqn, fqn, dtype) for fqn in fqns]
-    shards = split(entries, max_shard_size)
-    source.count_progress(progress, fqns)
+    entries = [source.entry(fqn, fqn, options.dtype) for fqn in fqns]
+    shards = split(entries, options.max_shard_size)
+    source.count_progress(options.progress, fqns)
+    metadata, config = options.metadata, options.config
     files, weight_map, total = [], {}, 0
     for i, shard in enumerate(shards):
         name = shard_name(i, len(shards))
@@ -161,20 +168,15 @@ def adapter_config(source: ExportSource, config: Path | None, adapter: str) -> d
 
 
 def write_adapter_folder(
-    source: ExportSource,
-    folder: Path,
-    *,
-    dtype: torch.dtype | None,
-    config: Path | None,
-    adapter: str,
-    progress: Progress | None,
+    source: ExportSource, folder: Path, options: FolderOptions
 ) -> tuple[list[str], int, int]:
     """Write ``adapter_model.safetensors`` and ``adapter_config.json`` into ``folder``.
 
     Returns:
         (file names written, tensors written, bytes of tensor data).
     """
-    cfg = adapter_config(source, config, adapter)
+    adapter = options.adapter
+    cfg = adapter_config(source, options.config, adapter)
     names = peft_names.file_names(source.fqns, adapter, cfg)
     if not names:
         found = sorted(peft_names.adapters_in(source.fqns))
@@ -183,8 +185,8 @@ def write_adapter_folder(
             + (f"; its adapters: {', '.join(found)}: pass --adapter NAME" if found else "")
         )
     by_name = {name: fqn for fqn, name in names.items()}
-    entries = [source.entry(name, by_name[name], dtype) for name in sorted(by_name)]
-    source.count_progress(progress, sorted(names))
+    entries = [source.entry(name, by_name[name], options.dtype) for name in sorted(by_name)]
+    source.count_progress(options.progress, sorted(names))
     total = write_file(
         folder / ADAPTER_WEIGHTS, entries, {"format": "pt"}, lambda e: source.read(by_name[e.name])
     )
