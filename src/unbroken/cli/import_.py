@@ -129,7 +129,9 @@ def import_command(
         return
     stdout().print(
         f"imported {escape(str(source))} ({result.source_kind}) as step {result.step}: "
-        f"{result.model_tensors} model tensor(s), optimizer: {result.optimizer} "
+        f"{result.model_tensors} model tensor(s)"
+        + (f" (+{result.from_factory} as the factory built them)" if result.from_factory else "")
+        + f", optimizer: {result.optimizer} "
         f"({result.optimizer_params} parameter(s)), scheduler: "
         f"{'yes' if result.scheduler else 'no'}\n  -> {escape(result.path)}"
         + (
