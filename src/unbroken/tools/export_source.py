@@ -78,7 +78,11 @@ class ExportSource:
         self.ties: dict[str, str] = {}
         found = tied_weights(self.doc)
         if found:  # confirmed on the bytes: equal values alone do not make a tie
-            self.ties = confirm(self.doc, found, self._reader.read)
+            try:
+                self.ties = confirm(self.doc, found, self._reader.read)
+            except BaseException:
+                self._reader.close()
+                raise
 
     def __enter__(self) -> ExportSource:
         return self
