@@ -203,3 +203,28 @@ def test_peft_export_of_an_unknown_adapter_names_the_ones_there(tmp_path):
     config = _peft_config_folder(trained, tmp_path / "cfg")
     with pytest.raises(ub.StateMismatchError, match=r"no tensor of adapter 'other'.*default"):
         ub.export_checkpoint(run, tmp_path / "a", format="peft", config=config, adapter="other")
+
+
+def test_peft_export_of_a_model_with_two_adapters_keeps_them_apart(tmp_path):
+    """With two adapters, each export holds exactly its adapter's tensors, as peft's own
+    get_peft_model_state_dict(adapter_name=...) gives them (guards against one adapter's
+    weights shipped under the other's name)."""
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    model = hf.lora(hf.llama())
+    model.add_adapter("second", LoraConfig(r=2, target_modules=["k_proj"], lora_dropout=0.0))
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    opt = hf.adamw(model)
+    hf.train(model, opt, range(2))
+    ub.Checkpointer(tmp_path / "run", model=model, optimizer=opt).save(2)
+    for adapter in ("default", "second"):
+        out = tmp_path / adapter
+        ub.export_checkpoint(tmp_path / "run", out, format="peft", adapter=adapter)
+        theirs = get_peft_model_state_dict(model, adapter_name=adapter)
+        with safe_open(str(out / "adapter_model.safetensors"), framework="pt") as f:
+            ours = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+        recorded = json.loads((out / "adapter_config.json").read_text())
+        assert recorded["target_modules"] == sorted(model.peft_config[adapter].target_modules)
