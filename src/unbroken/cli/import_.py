@@ -23,10 +23,20 @@ only the classes DCP metadata is made of. Anything else is refused, naming the f
 entry (exit 1). --trust-pickle reads them with plain pickle instead, for files from a
 source you trust only; it prints a warning. (Our own checkpoints are never unpickled.)
 
-SRC is either a torch.save file holding {"model": state_dict, "optimizer":
+SRC is a torch.save file holding {"model": state_dict, "optimizer":
 optimizer.state_dict(), "scheduler"?: state_dict, "step"?: int} (a bare model
-state_dict also works), or a DCP directory (torchtitan-style keys `model.<fqn>`,
-`optimizer.state.<fqn>.exp_avg`, `optimizer.param_groups...`, or keys without prefix).
+state_dict also works), a DCP directory (torchtitan-style keys `model.<fqn>`,
+`optimizer.state.<fqn>.exp_avg`, `optimizer.param_groups...`, or keys without prefix),
+a Hugging Face model folder (model.safetensors.index.json and its shards, or
+model.safetensors alone; a tied weight written once fills both names), or a PEFT
+adapter folder (adapter_model.safetensors and adapter_config.json). Safetensors files
+are not pickles; their index and headers are checked against the files first (a tensor
+the index names but no shard holds, one held by two shards or by none the index names,
+byte ranges outside the file or of the wrong size, an unknown dtype: exit 1, naming the
+file and the tensor). An HF folder records no step: pass --step. For a PEFT adapter the
+factory builds the PeftModel on its base model (loaded by the factory), and every
+adapter tensor is loaded into adapter --adapter (default "default") or named in an
+error; the base's tensors stay as the factory built them.
 
 --model names a zero-argument callable, `package.module:function` (importable from the
 current directory), returning the model or a (model, optimizer) tuple built exactly as
@@ -48,7 +58,11 @@ def register(app: typer.Typer) -> None:
 
 def import_command(
     source: Annotated[
-        Path, typer.Argument(metavar="SRC", help="A torch.save file or a DCP directory.")
+        Path,
+        typer.Argument(
+            metavar="SRC",
+            help="A torch.save file, a DCP directory, an HF model folder or a PEFT adapter.",
+        ),
     ],
     dest: Annotated[
         str, typer.Argument(metavar="DIR", help="The run folder (or URL) to save it in.")
@@ -70,6 +84,13 @@ def import_command(
             help="Unpickle SRC with plain pickle (can run code): only for files you trust.",
         ),
     ] = False,
+    adapter: Annotated[
+        str, typer.Option("--adapter", help="PEFT SRC: the model's adapter to load it into.")
+    ] = "default",
+    frozen: Annotated[
+        str | None,
+        typer.Option("--frozen", help="Passed to the Checkpointer saving DIR: save or verify."),
+    ] = None,
     as_json: JsonOption = False,
 ) -> None:
     from ..tools.importing import build, import_checkpoint, load_factory
@@ -96,17 +117,21 @@ def import_command(
                 step=step,
                 ignore=ignore or (),
                 trust_pickle=trust_pickle,
+                adapter=adapter,
+                frozen=frozen,
             )
         except CheckpointError:
             raise  # some are also ValueErrors; guard() maps them
-        except ValueError as exc:  # no step known, DIR already holds it
+        except ValueError as exc:  # no step known, DIR already holds it, bad --frozen
             raise usage_error(exc) from None
     if as_json:
         emit_json(result.to_dict())
         return
     stdout().print(
         f"imported {escape(str(source))} ({result.source_kind}) as step {result.step}: "
-        f"{result.model_tensors} model tensor(s), optimizer: {result.optimizer} "
+        f"{result.model_tensors} model tensor(s)"
+        + (f" (+{result.from_factory} as the factory built them)" if result.from_factory else "")
+        + f", optimizer: {result.optimizer} "
         f"({result.optimizer_params} parameter(s)), scheduler: "
         f"{'yes' if result.scheduler else 'no'}\n  -> {escape(result.path)}"
         + (

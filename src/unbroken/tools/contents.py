@@ -35,4 +35,10 @@ def model_fqns(doc: dict[str, Any]) -> dict[str, str]:
     keys = tree.tensor_keys(doc["components"]["model"].get("state"))
     # A reference to an unlisted tensor is damage that `unbroken verify` names.
     listed = [key for key in keys if key in doc["tensors"]]
-    return {".".join(unescape(s) for s in key.split("/")[1:]): key for key in listed}
+    return {fqn_of_key(key): key for key in listed}
+
+
+def fqn_of_key(key: str) -> str:
+    """The model FQN a model tensor key stands for (``model/fc.weight`` -> ``fc.weight``;
+    ``<name>.<fqn>`` for a dict of models)."""
+    return ".".join(unescape(s) for s in key.split("/")[1:])

@@ -1,12 +1,12 @@
-"""Export a checkpoint's model weights as one consolidated ``.safetensors`` file.
+"""Export a checkpoint's model weights for other tools: one consolidated ``.safetensors``
+file, a Hugging Face model folder, or a PEFT adapter folder (``hf_export.py``).
 
-``safetensors.torch.save_file`` needs every tensor in memory at once. The format is
-simple (an 8-byte little-endian header length, a JSON header giving each tensor's dtype,
-shape and byte range, then the raw bytes), and every byte range follows from the
-manifest's shapes and dtypes alone, so we write the header first and then stream one
-tensor at a time: peak memory is the largest tensor (plus its cast copy), whatever the
-model size. The file is written beside the target and renamed into place when complete.
-Each tensor's checksums and fingerprint are verified before it is written.
+``safetensors.torch.save_file`` needs every tensor in memory at once. Every byte range
+of a safetensors file follows from the manifest's shapes and dtypes alone, so the header
+is written first and then one tensor at a time (``safetensors_files.py``): peak memory
+is the largest tensor (plus its cast copy), whatever the model size. Each tensor's
+checksums and fingerprint are verified before it is written (``export_source.py``).
+The file (or folder) is written beside the target and renamed into place when complete.
 
 A tied weight (``lm_head.weight`` that *is* ``wte.weight``) is written once, as Hugging
 Face's ``save_pretrained`` does: under the name ``named_parameters()`` gives it (the
@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import struct
 import uuid
 from pathlib import Path
 from typing import Any
@@ -30,196 +29,190 @@ from typing import Any
 import torch
 
 from .._version import __version__
-from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchError
-from ..format import fingerprint, manifest, tree
-from ..format.manifest import DTYPES
-from ..format.shards import tensor_bytes
-from ..format.tensor_reader import TensorReader
+from ..errors import CheckpointError
+from ..format import tree
 from ..storage.interface import Location
 from ..storage.locate import checkpoint_dir
 from ..storage.names import folder_step
-from .contents import model_fqns
-from .folders import locate
-from .reporting import JsonResult, Progress, ProgressCount
-from .tying import confirm, tied_weights
+from . import hf_export
+from .export_source import ExportSource
+from .reporting import JsonResult, Progress
+from .safetensors_files import write_file
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.complex64: "C64",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint64: "U64",
-    torch.uint32: "U32",
-    torch.uint16: "U16",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
 EXPORT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-_CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+FORMATS = ("safetensors", "hf", "peft")
 
 
 @dataclasses.dataclass
 class ExportResult(JsonResult):
     """What :func:`export_checkpoint` returns (``unbroken export --json``)."""
 
-    path: str  # the .safetensors file written
+    path: str  # the .safetensors file written (format "safetensors"), or the folder
     step: int  # the checkpoint's step
     tensors: int  # tensors written (a tied weight once)
-    bytes: int  # of tensor data written (the file adds its header)
-    metadata: dict[str, str]  # the file's ``__metadata__``: format, step, source,
+    bytes: int  # of tensor data written (the files add their headers)
+    metadata: dict[str, str]  # each model file's ``__metadata__``: format, step, source,
     # unbroken_version, world_size, and tied_weights (JSON) if a weight is tied
     skipped: list[str]  # model state entries that are not tensors
     tied: dict[str, str] = dataclasses.field(default_factory=dict)  # alias -> name written
-
-
-def _target_dtype(saved: torch.dtype, dtype: torch.dtype | None) -> torch.dtype:
-    """Floating-point weights take ``dtype``; integer and bool buffers keep theirs."""
-    return dtype if dtype is not None and saved in _CASTABLE else saved
-
-
-def plan(
-    doc: dict[str, Any], dtype: torch.dtype | None, *, leave_out: frozenset[str] = frozenset()
-) -> list[tuple[str, str, torch.dtype]]:
-    """(safetensors name, manifest key, output dtype) for every model tensor written
-    (all but the FQNs in ``leave_out``: aliases of tied weights)."""
-    if "model" not in doc["components"]:
-        raise IncompleteCheckpointError("the checkpoint has no 'model' component to export")
-    out = []
-    for name, key in sorted(model_fqns(doc).items()):
-        if name in leave_out:
-            continue
-        target = _target_dtype(DTYPES[doc["tensors"][key]["dtype"]], dtype)
-        if target not in SAFETENSORS_DTYPES:
-            raise StateMismatchError(f"{name}: dtype {target} cannot be stored in safetensors")
-        out.append((name, key, target))
-    return out
-
-
-def header(
-    doc: dict[str, Any], items: list[tuple[str, str, torch.dtype]], metadata: dict[str, str]
-) -> tuple[bytes, int]:
-    """The encoded header (length prefix included) and the size of the data section."""
-    head: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name, key, dtype in items:
-        shape = doc["tensors"][key]["shape"]
-        numel = 1
-        for s in shape:
-            numel *= s
-        size = numel * torch.empty(0, dtype=dtype).element_size()
-        head[name] = {
-            "dtype": SAFETENSORS_DTYPES[dtype],
-            "shape": shape,
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    text = json.dumps(head, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned
-    return struct.pack("<Q", len(text)) + text, offset
+    format: str = "safetensors"  # "safetensors" | "hf" | "peft"
+    files: list[str] = dataclasses.field(default_factory=list)  # names written in ``path``
+    # (format "hf" or "peft"; the file itself for "safetensors")
+    from_base: list[str] = dataclasses.field(default_factory=list)  # frozen tensors taken
+    # from ``base`` (a checkpoint saved with frozen="verify"), checked by fingerprint
 
 
 def export_checkpoint(
     path: str | os.PathLike,
     to: str | os.PathLike,
     *,
+    format: str = "safetensors",
+    max_shard_size: int | str = hf_export.DEFAULT_SHARD_SIZE,
     dtype: torch.dtype | str | None = None,
     step: int | None = None,
+    config: str | os.PathLike | None = None,
+    base: str | os.PathLike | None = None,
+    adapter: str = "default",
     progress: Progress | None = None,
 ) -> ExportResult:
-    """Write a checkpoint's model weights as one ``.safetensors`` file (``unbroken export``).
+    """Write a checkpoint's model weights for other tools (``unbroken export``).
 
-    Keys are the model's FQNs (``<name>.<fqn>`` for a dict of models); shards of any
-    world size are assembled into whole tensors; a tied weight is written once. Memory
-    stays bounded by the largest tensor: each is read, verified (checksums and
-    fingerprint) and written in turn. The file appears only when complete. Its metadata:
-    ``format`` (``pt``), ``step``, ``source``, ``unbroken_version``, ``world_size``, and
-    ``tied_weights`` (JSON ``{alias: name written}``) if any weight is tied.
+    ``format="safetensors"``: one ``.safetensors`` file. ``"hf"``: a folder that
+    ``transformers`` loads (``from_pretrained``): shards split at ``max_shard_size``,
+    ``model.safetensors.index.json`` when there are several, ``config.json`` copied from
+    ``config``. ``"peft"``: a PEFT LoRA adapter folder (``adapter_model.safetensors``,
+    ``adapter_config.json``) that ``PeftModel.from_pretrained`` loads.
+
+    Keys are the model's FQNs (``<name>.<fqn>`` for a dict of models; PEFT's own names
+    for ``"peft"``); shards of any world size are assembled into whole tensors; a tied
+    weight is written once. Memory stays bounded by the largest tensor: each is read,
+    verified (checksums and fingerprint) and written in turn. Nothing appears at ``to``
+    until all of it is written (a partial file or folder beside it, renamed at the end,
+    removed on failure). Model files' metadata: ``format`` (``pt``), ``step``,
+    ``source``, ``unbroken_version``, ``world_size``, and ``tied_weights`` (JSON
+    ``{alias: name written}``) if any weight is tied.
 
     Args:
         path: a run folder (its latest step unless ``step``) or a step folder (or URL).
-        to: the file to write (local).
+        to: the file (``"safetensors"``) or the folder to write (local); a folder must
+            not exist or be empty.
+        format: ``"safetensors"``, ``"hf"`` or ``"peft"``.
+        max_shard_size: ``"hf"``: bytes per shard at most (a tensor larger than that
+            gets a shard of its own), an int or a string like ``"5GB"``, ``"500MB"``;
+            transformers' default, ``"50GB"``.
         dtype: cast floating-point tensors to this (a floating-point torch dtype, or
             ``"bf16"``, ``"fp16"``, ``"fp32"``); integer and bool buffers keep theirs.
         step: a committed step of the run folder.
+        config: ``"hf"``: a ``config.json`` (or a folder holding one) copied beside the
+            weights. ``"peft"``: an ``adapter_config.json`` (or its folder); default: the
+            config the checkpoint's manifest records for ``adapter``.
+        base: a checkpoint saved with ``frozen="verify"`` stores no frozen parameter;
+            ``"safetensors"`` and ``"hf"`` read them from this base model (an HF folder,
+            a ``.safetensors`` file, or a folder of them), each checked against the
+            fingerprint recorded at save. ``"peft"`` never needs it.
+        adapter: ``"peft"``: the adapter to export.
         progress: called with (bytes read, bytes to read) as tensors are read.
 
     Returns:
         :class:`ExportResult`.
 
     Raises:
-        ValueError: ``dtype`` is not a floating-point dtype or one of the names.
+        ValueError: an unknown ``format``, a ``dtype`` that is not a floating-point
+            dtype or one of the names, a malformed ``max_shard_size`` or ``config``.
         CheckpointNotFoundError: ``path`` holds no committed checkpoint, or no ``step``.
-        CorruptCheckpointError: a chunk fails its checksum.
-        StateMismatchError: a tensor fails its fingerprint, or a dtype safetensors
-            cannot hold.
-        IncompleteCheckpointError: the checkpoint has no model.
+        CorruptCheckpointError: a chunk fails its checksum; a base file is damaged.
+        StateMismatchError: a tensor fails its fingerprint (from the base: the base
+            differs from the one the run was saved with), a dtype safetensors cannot
+            hold, or an adapter that cannot be exported.
+        IncompleteCheckpointError: the checkpoint has no model; frozen parameters are
+            not stored and no ``base`` was given; no config for the adapter.
         CheckpointError: ``to`` lies inside the run folder (the folder holding the step
-            folders; the step folder itself if it is not in one), links resolved.
+            folders; the step folder itself if it is not in one), links resolved; or a
+            destination folder that exists and is not empty.
 
     Example::
 
         ub.export_checkpoint("ckpts/run1", "model.safetensors", dtype="bf16")
+        ub.export_checkpoint("ckpts/run1", "hf_out", format="hf", config="base/config.json")
     """
+    if format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
     target = _export_dtype(dtype)
-    folder, to = locate(path, step), Path(to)
-    _refuse_inside(_run_folder(folder), to)
-    doc = manifest.read(folder)
-    manifest.require_known_fingerprints(folder, doc)
-    algorithm = manifest.fingerprint_algorithm(doc)
-    if "model" not in doc["components"]:
-        raise IncompleteCheckpointError("the checkpoint has no 'model' component to export")
-    fqns = model_fqns(doc)
-    on_bytes = ProgressCount(
-        progress, sum(c["length"] for key in fqns.values() for c in doc["tensors"][key]["chunks"])
-    )
-    ties = tied_weights(doc)
-    if ties:  # confirmed on the bytes: equal values alone do not make a tie
-        with TensorReader(folder, doc) as reader:
-            ties = confirm(doc, ties, reader.read)
-    items = plan(doc, target, leave_out=frozenset(ties))
+    shard_size = hf_export.parse_shard_size(max_shard_size)
+    to = Path(to)
+    config_path = Path(config) if config is not None else None
+    if config_path is not None and not config_path.exists():
+        raise ValueError(f"config {config_path} does not exist")
+    with ExportSource(path, step, base=base, needs_frozen=format != "peft") as source:
+        _refuse_inside(_run_folder(source.folder), to)
+        metadata = _metadata(source)
+        if format == "safetensors":
+            files, count, size = _write_single(source, to, target, metadata, progress)
+        else:
+            options = hf_export.FolderOptions(
+                dtype=target,
+                max_shard_size=shard_size,
+                config=config_path,
+                adapter=adapter,
+                metadata=metadata,
+                progress=progress,
+            )
+            write = (
+                hf_export.write_model_folder if format == "hf" else hf_export.write_adapter_folder
+            )
+            with hf_export.partial_folder(to) as folder:
+                files, count, size = write(source, folder, options)
+        skipped = _non_tensor_model_state(source.doc)
+        return ExportResult(
+            str(to),
+            source.doc["step"],
+            count,
+            size,
+            metadata,
+            skipped,
+            source.ties if format != "peft" else {},
+            format,
+            files,
+            sorted(source.frozen) if format != "peft" else [],
+        )
+
+
+def _metadata(source: ExportSource) -> dict[str, str]:
+    doc = source.doc
     metadata = {
         "format": "pt",
         "step": str(doc["step"]),
-        "source": str(folder.resolve()),
+        "source": str(source.folder.resolve())
+        if isinstance(source.folder, Path)
+        else str(source.folder),
         "unbroken_version": __version__,
         "world_size": str(doc["world_size"]),
     }
-    if ties:
-        metadata["tied_weights"] = json.dumps(ties, sort_keys=True)
-    head, data_size = header(doc, items, metadata)
+    if source.ties:
+        metadata["tied_weights"] = json.dumps(source.ties, sort_keys=True)
+    return metadata
+
+
+def _write_single(
+    source: ExportSource,
+    to: Path,
+    dtype: torch.dtype | None,
+    metadata: dict[str, str],
+    progress: Progress | None,
+) -> tuple[list[str], int, int]:
+    """One ``.safetensors`` file, written beside ``to`` and renamed into place."""
+    fqns = source.model_tensors()
+    entries = [source.entry(fqn, fqn, dtype) for fqn in fqns]
+    source.count_progress(progress, fqns)
     partial = to.with_name(f".{to.name}.partial-{uuid.uuid4().hex[:8]}")
     to.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with open(partial, "wb") as f, TensorReader(folder, doc, on_bytes=on_bytes) as reader:
-            f.write(head)
-            for _name, key, written_as in items:
-                t = reader.read(key)
-                if fingerprint.fingerprint(t, algorithm) != doc["tensors"][key].get("fingerprint"):
-                    raise StateMismatchError(
-                        f"{key}: its stored value does not match the manifest's fingerprint; "
-                        f"run `unbroken verify {folder}`"
-                    )
-                f.write(tensor_bytes(t.to(written_as)))
-                del t
-            # Aliases are not read: counted as done.
-            on_bytes(sum(c["length"] for a in ties for c in doc["tensors"][fqns[a]]["chunks"]))
-            f.flush()
-            os.fsync(f.fileno())
-        if partial.stat().st_size != len(head) + data_size:
-            raise CheckpointError(f"internal error: {to} came out at the wrong size")
+        size = write_file(partial, entries, metadata, lambda e: source.read(e.name))
         os.replace(partial, to)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    skipped = _non_tensor_model_state(doc)
-    return ExportResult(str(to), doc["step"], len(items), data_size, metadata, skipped, ties)
+    return [to.name], len(entries), size
 
 
 def _run_folder(folder: Location) -> Path | None:

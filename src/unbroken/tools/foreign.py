@@ -1,4 +1,12 @@
-"""Read checkpoints written by other code: ``torch.save`` files and DCP directories.
+"""Read checkpoints written by other code: ``torch.save`` files, DCP directories, Hugging
+Face model folders and PEFT adapter folders.
+
+HF folders hold safetensors files, which are not pickles: they are read through
+:mod:`unbroken.tools.hf_folders`, which checks the index and every header against the
+files before a tensor is read. A PEFT adapter's tensors are named without the adapter's
+name; they are mapped onto the live PeftModel's FQNs (:mod:`unbroken.tools.peft_names`),
+every one of them landing somewhere or named in an error; the base model's tensors are
+the factory's (``ForeignState.partial``).
 
 Both formats are pickles underneath (a ``torch.save`` file is a zip of pickles; DCP's
 ``.metadata`` file is one, and DCP stores each non-tensor value as a ``torch.save``
@@ -32,8 +40,13 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from torch.distributed.checkpoint.planner import ReadItem
 
 from ..core.collective import unwrap
-from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from . import dcp_metadata
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    StateMismatchError,
+)
+from . import dcp_metadata, hf_folders, peft_names
 
 _KNOWN_TOP = ("model", "optimizer", "scheduler", "step")
 
@@ -49,8 +62,9 @@ class ForeignState:
     """
 
     source: str
-    kind: str  # "torch.save" | "dcp"
+    kind: str  # "torch.save" | "dcp" | "hf" | "peft"
     model: dict[str, torch.Tensor]
+    partial: bool = False  # the model tensors not in ``model`` keep the factory's values
     optimizer: dict[str, Any] | None = None
     optimizer_keyed_by: str = "position"
     scheduler: dict[str, Any] | None = None
@@ -68,24 +82,71 @@ def read(
     model_fqns: Iterable[str],
     ignore: Iterable[str] = (),
     trust_pickle: bool = False,
+    adapter: str = "default",
 ) -> ForeignState:
-    """Read ``path`` (a ``torch.save`` file or a DCP directory).
+    """Read ``path`` (a ``torch.save`` file, a DCP directory, an HF model folder or a
+    PEFT adapter folder).
 
     ``model_fqns`` are the live model's normalized FQNs (DCP keys are parsed against
-    them, since FQNs contain dots). Top-level entries named in ``ignore`` are skipped.
-    ``trust_pickle`` unpickles everything with plain pickle, which can run code.
+    them, since FQNs contain dots; a PEFT adapter's names are mapped onto them, for
+    ``adapter``). Top-level entries named in ``ignore`` are skipped. ``trust_pickle``
+    unpickles everything with plain pickle, which can run code.
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path} does not exist")
+    if hf_folders.is_adapter_folder(path):
+        return read_adapter(path, list(model_fqns), adapter)
+    if hf_folders.is_model_folder(path):
+        files = hf_folders.open_model(path)
+        return ForeignState(source=str(path), kind="hf", model=files.read_all())
     if is_dcp(path):
         return read_dcp(path, set(model_fqns), set(ignore), trust_pickle=trust_pickle)
     if path.is_file():
         return read_torch_save(path, set(ignore), trust_pickle=trust_pickle)
     raise CheckpointNotFoundError(
-        f"{path} is neither a torch.save file nor a torch.distributed.checkpoint "
-        "directory (one with a .metadata file)"
+        f"{path} is neither a torch.save file, a torch.distributed.checkpoint directory "
+        f"(one with a .metadata file), an HF model folder ({hf_folders.INDEX} or "
+        f"{hf_folders.SINGLE}) nor a PEFT adapter folder ({hf_folders.ADAPTER_WEIGHTS})"
     )
+
+
+def read_adapter(path: Path, model_fqns: list[str], adapter: str) -> ForeignState:
+    """A PEFT adapter folder's tensors, under the live PeftModel's FQNs for ``adapter``.
+
+    Raises:
+        CorruptCheckpointError: a file is damaged or adapter_config.json is missing.
+        StateMismatchError: an adapter tensor fits no tensor of the live model (named),
+            or the live model has no adapter ``adapter``.
+        IncompleteCheckpointError: the live adapter has a tensor the file lacks.
+    """
+    config = hf_folders.read_json(path / hf_folders.ADAPTER_CONFIG, "a PEFT adapter config")
+    files = hf_folders.open_files(path, [path / hf_folders.ADAPTER_WEIGHTS])
+    live = peft_names.file_names(model_fqns, adapter, config)  # live FQN -> name in file
+    if not live:
+        found = sorted(peft_names.adapters_in(model_fqns))
+        raise StateMismatchError(
+            f"the --model factory's model has no tensor of adapter {adapter!r} to load "
+            f"{path} into (its adapters: {', '.join(found) or 'none'}); build the "
+            "PeftModel with that adapter, or pass --adapter NAME"
+        )
+    fqn_of = {name: fqn for fqn, name in live.items()}
+    stray = sorted(set(files.headers) - fqn_of.keys())
+    if stray:
+        raise StateMismatchError(
+            f"{path / hf_folders.ADAPTER_WEIGHTS} holds adapter tensor(s) the model has no "
+            f"place for: {', '.join(stray[:5])}{' ...' if len(stray) > 5 else ''}; build "
+            "the PeftModel with this adapter's config (target_modules, modules_to_save)"
+        )
+    lacking = sorted(fqn_of.keys() - set(files.headers))
+    if lacking:
+        raise IncompleteCheckpointError(
+            f"{path / hf_folders.ADAPTER_WEIGHTS} has no value for adapter tensor(s) "
+            f"{', '.join(lacking[:5])}{' ...' if len(lacking) > 5 else ''} of the model"
+        )
+    values = files.read_all()
+    model = {fqn_of[name]: t for name, t in values.items()}
+    return ForeignState(source=str(path), kind="peft", model=model, partial=True)
 
 
 def read_torch_save(path: Path, ignore: set[str], *, trust_pickle: bool = False) -> ForeignState:

@@ -8,12 +8,18 @@ an error (or left out on purpose with ``ignore``).
 
 The factory is a zero-argument callable returning a module, or a ``(module, optimizer)``
 tuple. With a module alone, an AdamW is built from the imported param groups.
+
+An HF model folder holds a tied weight once (``lm_head.weight`` *is*
+``model.embed_tokens.weight``): the alias takes the value of the parameter it is. A PEFT
+adapter folder holds the adapter only: the factory builds the PeftModel on its base, and
+the base's tensors are the factory's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -44,12 +50,14 @@ class ImportResult(JsonResult):
 
     path: str  # the committed step folder
     step: int  # the step it was saved as
-    source_kind: str  # "torch.save" | "dcp"
+    source_kind: str  # "torch.save" | "dcp" | "hf" | "peft"
     model_tensors: int  # model tensors imported
     optimizer: str  # "factory", "AdamW from the imported param groups", or "none"
     optimizer_params: int  # parameters with imported optimizer state and hyperparameters
     scheduler: bool  # a scheduler state was imported
     ignored: list[str]  # top-level source entries left out on request
+    from_factory: int = 0  # model tensors not in the source: a tied weight's alias (the
+    # parameter's value), a PEFT adapter's base model (as the factory built it)
 
 
 def load_factory(spec: str) -> Factory:
@@ -111,6 +119,8 @@ def import_checkpoint(
     step: int | None = None,
     ignore: Iterable[str] = (),
     trust_pickle: bool = False,
+    adapter: str = "default",
+    frozen: str | None = None,
 ) -> ImportResult:
     """Convert ``source`` into a committed unbroken checkpoint in run folder ``dest``
     (``unbroken import``).
@@ -120,10 +130,14 @@ def import_checkpoint(
     is what a training run would have saved. Nothing is dropped silently.
 
     Args:
-        source: a ``torch.save`` file ``{"model", "optimizer"?, "scheduler"?, "step"?}``
-            or a ``torch.distributed.checkpoint`` directory. Its pickles are read safely:
-            tensors, containers and plain values only (``torch.load(weights_only=True)``;
-            DCP's ``.metadata`` through an unpickler that knows only its classes).
+        source: a ``torch.save`` file ``{"model", "optimizer"?, "scheduler"?, "step"?}``,
+            a ``torch.distributed.checkpoint`` directory, a Hugging Face model folder
+            (``model.safetensors.index.json`` and its shards, or ``model.safetensors``),
+            or a PEFT adapter folder (``adapter_model.safetensors``,
+            ``adapter_config.json``). Its pickles are read safely: tensors, containers
+            and plain values only (``torch.load(weights_only=True)``; DCP's
+            ``.metadata`` through an unpickler that knows only its classes); safetensors
+            files after their headers and index are checked against the files.
         dest: the run folder to save into (it must not hold this step already).
         model: the live model to load into (the command builds it with :func:`build`).
         optimizer: the live optimizer, or None to build an AdamW from the imported
@@ -132,7 +146,11 @@ def import_checkpoint(
         ignore: top-level source entries to leave out on purpose.
         trust_pickle: read ``source`` with plain pickle instead, for what the safe
             readers refuse. It can run code: only for files you trust.
-
+        adapter: a PEFT adapter folder is loaded as this adapter of ``model`` (a
+            PeftModel the factory built on its base model).
+        frozen: passed to the :class:`~unbroken.Checkpointer` that saves the result
+            (``"verify"``: frozen parameters are not stored, only their fingerprints),
+            where this version's Checkpointer accepts it.
     Returns:
         :class:`ImportResult`.
 
@@ -142,7 +160,8 @@ def import_checkpoint(
             (naming the file or entry), or is damaged.
         StateMismatchError: an entry fits no parameter, or shapes/dtypes/counts differ.
         IncompleteCheckpointError: the source lacks a tensor the model has.
-        ValueError: no step known, or ``dest`` already holds it.
+        ValueError: no step known, or ``dest`` already holds it; ``frozen`` given to a
+            Checkpointer that does not take it.
 
     Example::
 
@@ -155,7 +174,10 @@ def import_checkpoint(
     fqn_of = model_c.parameter_fqns()
     params = {fqn: p for p, fqn in fqn_of.items()}
     live = get_model_state_dict(model)
-    state = foreign.read(source, model_fqns=live.keys(), ignore=ignored, trust_pickle=trust_pickle)
+    state = foreign.read(
+        source, model_fqns=live.keys(), ignore=ignored, trust_pickle=trust_pickle, adapter=adapter
+    )
+    options = _checkpointer_options(frozen)
     if state.unmapped:
         raise StateMismatchError(
             f"{source}: entries that fit no model tensor, optimizer state or step: "
@@ -169,7 +191,8 @@ def import_checkpoint(
     if step in ckdir.steps():
         raise ValueError(f"{dest} already holds a checkpoint of step {step}; choose another")
     ckdir.check_not_foreign()
-    _install_model(model, live, state.model, source)
+    saved = _completed(model, live, state)
+    _install_model(model, live, saved, source)
     opt_label, count = "none", 0
     if state.optimizer is not None:
         groups = optimizer_mapping.live_groups(optimizer, fqn_of) if optimizer else None
@@ -193,6 +216,7 @@ def import_checkpoint(
         optimizer=optimizer if state.optimizer is not None else None,
         scheduler=scheduler,
         keep_last=None,
+        **options,
     )
     try:
         final = ckpt.save(step)
@@ -201,8 +225,48 @@ def import_checkpoint(
     finally:
         ckpt.close()
     return ImportResult(
-        final, step, state.kind, len(state.model), opt_label, count, scheduler is not None, ignored
+        final,
+        step,
+        state.kind,
+        len(state.model),
+        opt_label,
+        count,
+        scheduler is not None,
+        ignored,
+        len(saved) - len(state.model),
     )
+
+
+def _checkpointer_options(frozen: str | None) -> dict[str, Any]:
+    if frozen is None:
+        return {}
+    if "frozen" not in inspect.signature(Checkpointer).parameters:
+        raise ValueError(
+            f"frozen={frozen!r}: this version's Checkpointer takes no 'frozen' option; "
+            "leave it out (everything is saved)"
+        )
+    return {"frozen": frozen}
+
+
+def _completed(
+    model: nn.Module, live: dict[str, Any], state: foreign.ForeignState
+) -> dict[str, torch.Tensor]:
+    """The source's model tensors, plus what a format leaves out on purpose: the alias of
+    a tied weight (the value of the parameter it is), and for a PEFT adapter the base
+    model's tensors as the factory built them."""
+    saved = dict(state.model)
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for group in names.values():
+        held = [n for n in group if n in saved]
+        for alias in group:
+            if held and alias not in saved and alias in live:
+                saved[alias] = saved[held[0]]
+    if state.partial:
+        for key, value in live.items():
+            saved.setdefault(key, value)
+    return saved
 
 
 def _install_model(
