@@ -1,6 +1,6 @@
 """The recipes of docs/integrations, as the pages print them.
 
-A page marks each runnable script with ``<!-- recipe: NAME -->`` on the line before its
+A page (of ``docs/integrations``, or given as a path: ``docs/fine-tuning.md``) marks each runnable script with ``<!-- recipe: NAME -->`` on the line before its
 fenced ``python`` block; the tests write that block to a file unchanged and run it, so a
 page cannot drift from code that works.
 """
@@ -10,20 +10,21 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "integrations"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs" / "integrations"
 _MARKED = re.compile(r"<!-- recipe: (?P<name>[\w-]+) -->\n```python\n(?P<code>.*?)\n```", re.S)
 
 
-def recipes(page: str) -> dict[str, str]:
-    """Every marked recipe on ``docs/integrations/<page>``, by name."""
-    text = (DOCS / page).read_text(encoding="utf-8")
+def recipes(page: str | Path) -> dict[str, str]:
+    """Every marked recipe on ``docs/integrations/<page>`` (or the page at a path), by name."""
+    text = (DOCS / page).read_text(encoding="utf-8")  # an absolute path replaces DOCS
     return {m["name"]: m["code"] + "\n" for m in _MARKED.finditer(text)}
 
 
-def write_recipe(page: str, name: str, folder: Path) -> Path:
+def write_recipe(page: str | Path, name: str, folder: Path) -> Path:
     """The recipe ``name`` of ``page`` as a script in ``folder``."""
     found = recipes(page)
-    assert name in found, f"docs/integrations/{page} has no recipe {name!r} (has {sorted(found)})"
+    assert name in found, f"{page} has no recipe {name!r} (has {sorted(found)})"
     script = folder / f"{name}_recipe.py"
     script.write_text(found[name], encoding="utf-8")
     return script

@@ -39,6 +39,7 @@ from transformers import Trainer, TrainerCallback
 
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError
+from ..live.frozen import check_mode as check_frozen
 from ..live.probe import Probe
 from ..report import RestoreReport
 from . import _transformers_state as hf
@@ -63,6 +64,9 @@ class UnbrokenCallback(TrainerCallback):
     Args:
         path: the folder of this run's checkpoints (as for ``Checkpointer``).
         keep_last, async_save, probe, overwrite: as for ``Checkpointer``.
+        frozen: as for ``Checkpointer``: ``"verify"`` leaves the parameters that do not
+            require grad (a PEFT model's base) out of every checkpoint and checks the
+            live ones against their fingerprints at the resume (docs/fine-tuning.md).
         extra: more ``Stateful`` objects to save, name -> object (as for ``Checkpointer``).
         step: restore this committed step instead of the newest one.
         reset: components to start fresh on purpose (``Checkpointer.restore(reset=)``),
@@ -84,6 +88,7 @@ class UnbrokenCallback(TrainerCallback):
         async_save: bool | str = False,
         probe: Probe | None = None,
         overwrite: bool = False,
+        frozen: str = "save",
         extra: Mapping[str, Any] | None = None,
         step: int | None = None,
         reset: Iterable[str] | None = None,
@@ -99,6 +104,7 @@ class UnbrokenCallback(TrainerCallback):
             "async_save": async_save,
             "probe": probe,
             "overwrite": overwrite,
+            "frozen": check_frozen(frozen),
         }
         self._extra = dict(extra or {})
         self._step, self._reset, self._require = step, set(reset or ()), require
