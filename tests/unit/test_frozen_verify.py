@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -328,3 +329,40 @@ def test_diff_compares_the_frozen_part_by_fingerprint(tmp_path):
     changed = {t.key: t.status for t in other.tensors if t.status != "equal"}
     assert changed.get("model/0.bias") == "values"
     assert "model/0.weight" not in changed
+
+
+@pytest.mark.filterwarnings("ignore:LocalTier.*one node:UserWarning")
+def test_local_tier_steps_are_trainable_only_too(tmp_path):
+    """A local-tier step leaves the base out and proves it like a persistent one: the
+    restore from it checks the base (another one is refused, not skipped for an older
+    step or a fresh start) and resumes bit for bit."""
+    straight = make_model()
+    opt = optimizer_for(straight)
+    losses = train(straight, opt, 0, 8)
+
+    model = make_model()
+    opt = optimizer_for(model)
+    tier = ub.LocalTier(tmp_path / "shm")
+    with ub.Checkpointer(tmp_path / "run", model=model, optimizer=opt, frozen="verify",
+                         local=tier) as ck:  # fmt: skip
+        first = train(model, opt, 0, 5)
+        folder = ck.save(5, tier="local")
+        ck.wait_replicated()
+    doc = json.loads((Path(folder) / "manifest.json").read_text())
+    assert doc["frozen"]["model/2.weight"]["stored"] is False
+    assert "model/2.weight" not in doc["tensors"]
+
+    other = make_model(dtype=torch.float64)
+    ck = ub.Checkpointer(tmp_path / "run", model=other, optimizer=optimizer_for(other),
+                         frozen="verify", local=ub.LocalTier(tmp_path / "shm"))  # fmt: skip
+    with ck, pytest.raises(ub.StateMismatchError, match="base model differs"):
+        ck.restore()  # not a fallback to an older step or a fresh start: the base is wrong
+
+    resumed = make_model()
+    opt = optimizer_for(resumed)
+    with ub.Checkpointer(tmp_path / "run", model=resumed, optimizer=opt, frozen="verify",
+                         local=ub.LocalTier(tmp_path / "shm")) as ck:  # fmt: skip
+        report = ck.restore()
+        assert (report.source, report.frozen_verified) == ("local", len(FROZEN))
+        rest = train(resumed, opt, 5, 8)
+    assert first + rest == losses
