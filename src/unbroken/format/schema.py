@@ -148,13 +148,7 @@ def _validate(doc: dict[str, Any]) -> None:
 def _frozen(key: str, entry: Any, tensors: dict) -> None:
     where = f"frozen/{key}"
     entry = _dict(entry, where)
-    if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in ITEMSIZES:
-        _fail(where, f"unknown dtype {_short(entry.get('dtype'))}")
-    shape = _list(entry.get("shape"), f"{where}/shape")
-    if len(shape) > MAX_DIMS:
-        _fail(f"{where}/shape", f"{len(shape)} dimensions")
-    for i, n in enumerate(shape):
-        _int(n, f"{where}/shape/{i}")
+    _dtype_and_shape(entry, where)
     _str(entry.get("fingerprint"), f"{where}/fingerprint", MAX_SHORT)
     if not isinstance(entry.get("stored"), bool):
         _fail(f"{where}/stored", f"{_short(entry.get('stored'))} is not true or false")
@@ -243,9 +237,7 @@ def _files(files: Any, world: int) -> dict:
     return files
 
 
-def _tensor(key: str, entry: Any, files: dict) -> None:
-    where = f"tensors/{key}"
-    entry = _dict(entry, where)
+def _dtype_and_shape(entry: dict, where: str) -> list:
     if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in ITEMSIZES:
         _fail(where, f"unknown dtype {_short(entry.get('dtype'))}")
     shape = _list(entry.get("shape"), f"{where}/shape")
@@ -253,6 +245,13 @@ def _tensor(key: str, entry: Any, files: dict) -> None:
         _fail(f"{where}/shape", f"{len(shape)} dimensions")
     for i, n in enumerate(shape):
         _int(n, f"{where}/shape/{i}")
+    return shape
+
+
+def _tensor(key: str, entry: Any, files: dict) -> None:
+    where = f"tensors/{key}"
+    entry = _dict(entry, where)
+    shape = _dtype_and_shape(entry, where)
     if "device" in entry:
         _device(entry["device"], f"{where}/device")
     _str(entry.get("fingerprint"), f"{where}/fingerprint", MAX_SHORT)

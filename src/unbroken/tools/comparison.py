@@ -25,7 +25,7 @@ from urllib.parse import unquote
 
 import torch
 
-from ..format import bitwise, manifest, tree
+from ..format import bitwise, fingerprint, manifest, tree
 from ..format.state_compare import skeleton_differences, skeletons
 from ..format.tensor_reader import TensorReader
 from ..proof.generators import differing, label
@@ -249,21 +249,28 @@ def _with_frozen(doc: dict[str, Any], name: str) -> list[Any]:
 
 
 def _compare(key, comp, doc_a, doc_b, ra, rb, trust_prints) -> TensorDiff:
-    ea, eb = doc_a["tensors"].get(key), doc_b["tensors"].get(key)
-    fa, fb = _left_out(doc_a).get(key), _left_out(doc_b).get(key)
-    if fa is not None or fb is not None:
-        return _compare_proven(key, comp, ea or fa, eb or fb, ra, rb)
+    stored_a, stored_b = doc_a["tensors"].get(key), doc_b["tensors"].get(key)
+    ea = stored_a or _left_out(doc_a).get(key)
+    eb = stored_b or _left_out(doc_b).get(key)
     if ea is None:
         return TensorDiff(key, comp, "only_b", dtype_b=eb["dtype"], shape_b=eb["shape"])
     if eb is None:
         return TensorDiff(key, comp, "only_a", dtype_a=ea["dtype"], shape_a=ea["shape"])
     row = TensorDiff(key, comp, "equal", ea["dtype"], eb["dtype"], ea["shape"], eb["shape"])
+    proven = stored_a is None or stored_b is None  # a frozen base proven, not stored
     if ea["shape"] != eb["shape"]:
         row.status = "shape"
         return row
     if ea["dtype"] != eb["dtype"]:
         row.status = "dtype"
-        row.max_abs_diff = _max_abs_diff(ra.read(key), rb.read(key), None)
+        if not proven:
+            row.max_abs_diff = _max_abs_diff(ra.read(key), rb.read(key), None)
+        return row
+    if proven:
+        if _proven_fingerprints(key, doc_a, doc_b, ra, rb):
+            row.differing, row.max_abs_diff = 0, 0.0
+        else:
+            row.status = "values"  # how many elements differ is not known
         return row
     fp_a = ea.get("fingerprint")
     if trust_prints and fp_a and fp_a == eb.get("fingerprint"):
@@ -278,24 +285,19 @@ def _compare(key, comp, doc_a, doc_b, ra, rb, trust_prints) -> TensorDiff:
     return row
 
 
-def _compare_proven(key, comp, ea, eb, ra, rb) -> TensorDiff:
-    """A tensor that one checkpoint (or both) proves by fingerprint, not stored: equal
-    where shape, dtype and fingerprint are (the checkpoints' fingerprint formats are
-    the same: a record is always in its manifest's); the values cannot be compared."""
-    if ea is None:
-        return TensorDiff(key, comp, "only_b", dtype_b=eb["dtype"], shape_b=eb["shape"])
-    if eb is None:
-        return TensorDiff(key, comp, "only_a", dtype_a=ea["dtype"], shape_a=ea["shape"])
-    row = TensorDiff(key, comp, "equal", ea["dtype"], eb["dtype"], ea["shape"], eb["shape"])
-    if ea["shape"] != eb["shape"]:
-        row.status = "shape"
-    elif ea["dtype"] != eb["dtype"]:
-        row.status = "dtype"
-    elif ea["fingerprint"] != eb["fingerprint"]:
-        row.status = "values"  # how many elements differ is not known
-    else:
-        row.differing, row.max_abs_diff = 0, 0.0
-    return row
+def _proven_fingerprints(key, doc_a, doc_b, ra, rb) -> bool:
+    """Whether a tensor that one checkpoint (or both) proves by fingerprint instead of
+    storing has the same fingerprint in both, in the prover's format (a stored side is
+    fingerprinted again where its own manifest's format is another)."""
+    prover, other, read = (doc_a, doc_b, ra) if key not in doc_a["tensors"] else (doc_b, doc_a, rb)
+    algorithm = manifest.fingerprint_algorithm(prover)
+    proved = prover["frozen"][key]["fingerprint"]
+    entry = other["tensors"].get(key) or other["frozen"][key]
+    if manifest.fingerprint_algorithm(other) == algorithm:
+        return entry["fingerprint"] == proved
+    if key not in other["tensors"]:
+        return False  # both proven, in two formats: nothing to compare them by
+    return fingerprint.fingerprint(read.read(key), algorithm) == proved
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor | None) -> float:
