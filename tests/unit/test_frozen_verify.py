@@ -366,3 +366,27 @@ def test_local_tier_steps_are_trainable_only_too(tmp_path):
         assert (report.source, report.frozen_verified) == ("local", len(FROZEN))
         rest = train(resumed, opt, 5, 8)
     assert first + rest == losses
+
+
+@pytest.mark.parametrize("mode", [True, "overlap"])
+def test_async_saves_leave_the_base_out_too(tmp_path, mode):
+    """With async_save, the staged copy holds only what is stored (no host copy of the
+    base), and the resume is the uninterrupted run's, bit for bit."""
+    straight = make_model()
+    opt = optimizer_for(straight)
+    losses = train(straight, opt, 0, 6)
+
+    model = make_model()
+    opt = optimizer_for(model)
+    run = tmp_path / "run"
+    with ub.Checkpointer(run, model=model, optimizer=opt, frozen="verify", async_save=mode) as ck:
+        first = train(model, opt, 0, 3)
+        ck.save(3)
+        train(model, opt, 3, 4)  # trains while the save is written
+    assert not any(f"model/{f}" in read_doc(run, 3)["tensors"] for f in FROZEN)
+    resumed = make_model()
+    opt = optimizer_for(resumed)
+    with ub.Checkpointer(run, model=resumed, optimizer=opt, frozen="verify") as ck:
+        assert ck.restore().frozen_verified == len(FROZEN)
+        rest = train(resumed, opt, 3, 6)
+    assert first + rest == losses
