@@ -38,10 +38,11 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check src tests examples benchmarks
 
 # Two test processes (pytest-xdist), each taking whole files so that a file's shared
-# multi-process fixtures start once: about 25-28 minutes per torch version on 2 cores (CI,
-# 2026-11). TEST_WORKERS=1 runs them one at a time.
+# multi-process fixtures start once, the heaviest files first (tests/conftest.py orders
+# them; --no-loadscope-reorder keeps that order): about 30-33 minutes per torch version on
+# 2 cores (2026-11). TEST_WORKERS=1 runs them one at a time.
 TEST_WORKERS ?= 2
-PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
+PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 test: lint
 	$(PY) $(PYTEST)

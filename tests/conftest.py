@@ -17,6 +17,55 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
+# The files that take longest (worker seconds in a full run on torch 2.14.1, 2 cores,
+# 2026-11), run first: with two xdist workers each taking whole files, longest first makes
+# them finish together. xdist's own order (files with the most tests first) left these
+# one-test heavyweights for the end, one worker idle while the other ran them. The
+# Makefile passes --no-loadscope-reorder so that xdist keeps this order.
+HEAVY_FIRST = [
+    "tests/integrations/test_accelerate_exit.py",  # 242 s
+    "tests/e2e/test_harness.py",  # 196 s
+    "tests/distributed/test_nd_resume_test.py",  # 195 s
+    "tests/cli/test_resume_test.py",  # 169 s
+    "tests/e2e/test_bench_smoke.py",  # 166 s
+    "tests/integrations/test_lightning_fsdp.py",  # 158 s
+    "tests/e2e/test_crash.py",  # 148 s
+    "tests/distributed/test_local_tier.py",  # 147 s
+    "tests/integrations/test_docs_recipes.py",  # 145 s
+    "tests/integrations/test_accelerate_fsdp.py",  # 128 s
+    "tests/integrations/test_lightning.py",  # 110 s
+    "tests/distributed/test_agreement_rounds.py",  # 98 s
+    "tests/e2e/test_demo.py",  # 85 s
+    "tests/e2e/test_resume_exact.py",  # 84 s
+    "tests/distributed/test_accumulation_distributed.py",  # 83 s
+    "tests/integrations/test_accelerate_loaders.py",  # 79 s
+    "tests/integrations/test_accelerate.py",  # 77 s
+    "tests/integrations/test_fine_tuning.py",  # 70 s
+    "tests/e2e/test_compared_smoke.py",  # 69 s
+    "tests/distributed/test_tensor_parallel.py",  # 61 s
+    "tests/integrations/test_hf_datasets.py",  # 56 s
+    "tests/distributed/test_exchange_distributed.py",  # 55 s
+    "tests/distributed/test_fsdp1_hybrid.py",  # 53 s
+    "tests/distributed/test_pipeline_stages.py",  # 51 s
+    "tests/distributed/test_many_nodes.py",  # 49 s
+    "tests/distributed/test_fsdp_s3.py",  # 49 s
+    "tests/unit/test_object_store_s3.py",  # 47 s
+    "tests/integrations/test_trackers.py",  # 46 s
+    "tests/distributed/test_async_distributed.py",  # 46 s
+    "tests/unit/test_rollback_interrupts.py",  # 45 s
+    "tests/distributed/test_fsdp1.py",  # 44 s
+    "tests/integrations/test_transformers.py",  # 44 s
+    "tests/e2e/test_races.py",  # 42 s
+]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The heavy files first, heaviest first; every other file after them in the order
+    collected, and each file's tests in their own order (a stable sort)."""
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 class TinyNet(nn.Module):
     def __init__(self, width: int = 8, dropout: float = 0.1) -> None:
         super().__init__()
