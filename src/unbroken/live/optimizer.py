@@ -50,7 +50,12 @@ _OURS = (*_STANDARD, NON_PARAM_STATE, OPTIMIZER_CLASS)
 
 
 def class_name(opt: object) -> str:
-    """The name an optimizer's class is recorded under: ``module.qualname``."""
+    """The name an optimizer's class is recorded under: ``module.qualname``; for a view
+    over another optimizer's state (``integrations/deepspeed.py``), the class it shows
+    (its ``shown_class``)."""
+    shown = getattr(opt, "shown_class", None)
+    if isinstance(shown, str):
+        return shown
     return f"{type(opt).__module__}.{type(opt).__qualname__}"
 
 
@@ -226,7 +231,13 @@ class OptimizerComponent(Component):
         params = {fqn: p for p, fqn in self._fqns().items()}
         # A lazy module's uninitialized parameter has no shape until the model's install
         # materializes it (in the saved shape): its state is not checked against it.
-        shapes = {fqn: p.shape for fqn, p in params.items() if not torch_compat.is_uninitialized(p)}
+        # DeepSpeed ZeRO-3 partitions each parameter, leaving an empty placeholder whose
+        # whole shape is its ds_shape.
+        shapes = {
+            fqn: getattr(p, "ds_shape", p.shape)
+            for fqn, p in params.items()
+            if not torch_compat.is_uninitialized(p)
+        }
         # FSDP1: the original parameters' unsharded shapes; their state loads into DTensors
         # sharded as FSDP shards it.
         sharded = {
