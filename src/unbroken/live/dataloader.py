@@ -17,6 +17,9 @@ What a loader's own ``state_dict()`` misses with torchdata's ``StatefulDataLoade
   inside ``restore()`` may start reading before the loop calls ``set_epoch()``; a resume
   in epoch 2 read epoch 0 from its start. We save the epoch and set it before the
   iterator is made.
+- likewise a sampler's epoch (``DistributedSampler.set_epoch()``: its shuffle is a function
+  of seed and epoch): the iterator made inside ``restore()`` drew epoch 0's order for the
+  rest of a later epoch, whatever the loop set afterwards. We save it and set it first.
 - until the resumed pass draws a batch, torchdata reports a datasets stream at its start
   (datasets applies a loaded state only once iteration begins; with workers, each worker
   until it hands over a batch): a save right after a restore recorded the start, and the
@@ -45,6 +48,8 @@ from .state import StatefulComponent
 
 GENERATOR_KEY = "unbroken:generator"
 EPOCH_KEY = "unbroken:dataset_epoch"
+SAMPLER_EPOCH_KEY = "unbroken:sampler_epoch"
+_OURS = (GENERATOR_KEY, EPOCH_KEY, SAMPLER_EPOCH_KEY)
 DATASETS_PAGE = "docs/integrations/datasets.md"
 
 PLAIN_LOADER_FIX = (
@@ -85,6 +90,9 @@ class ExactLoader:
         epoch = loader_state.dataset_epoch(self.loader)
         if epoch is not None:
             extra[EPOCH_KEY] = epoch
+        sampler_epoch = loader_state.sampler_epoch(self.loader)
+        if sampler_epoch is not None:
+            extra[SAMPLER_EPOCH_KEY] = sampler_epoch
         if extra and isinstance(state, dict):
             taken = sorted(set(extra) & set(state))
             if taken:
@@ -93,11 +101,14 @@ class ExactLoader:
         return state
 
     def load_state_dict(self, state: Any) -> None:
-        generator_state = epoch = None
-        if isinstance(state, dict) and (GENERATOR_KEY in state or EPOCH_KEY in state):
+        generator_state = epoch = sampler_epoch = None
+        if isinstance(state, dict) and any(key in state for key in _OURS):
             state = dict(state)
             generator_state = state.pop(GENERATOR_KEY, None)
             epoch = state.pop(EPOCH_KEY, None)
+            sampler_epoch = state.pop(SAMPLER_EPOCH_KEY, None)
+        if sampler_epoch is not None and loader_state.sampler_epoch(self.loader) is not None:
+            self.loader.sampler.set_epoch(sampler_epoch)  # before the resumed iterator is made
         dataset = getattr(self.loader, "dataset", None)
         if epoch is not None and loader_state.dataset_epoch(self.loader) is not None:
             dataset.set_epoch(epoch)  # before any worker starts reading (module docstring)

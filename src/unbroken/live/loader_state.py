@@ -76,6 +76,17 @@ def dataset_epoch(loader: Any) -> int | None:
     return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
 
 
+def sampler_epoch(loader: Any) -> int | None:
+    """The epoch of a loader's sampler that has ``set_epoch()`` (``DistributedSampler``,
+    torchdata's ``StatefulDistributedSampler``: their order is a function of seed and
+    epoch), or None."""
+    sampler = getattr(loader, "sampler", None)
+    epoch = getattr(sampler, "epoch", None)
+    if not callable(getattr(sampler, "set_epoch", None)):
+        return None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
+
+
 class ResumedPass:
     """The pass a restore created, and the state it was created from.
 
