@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VENV_NEXT := .venv-torch2.14
 STAMP_NEXT := $(VENV_NEXT)/.installed
 
-.PHONY: install demo test test-torch2.14 test-all lint unit clean
+.PHONY: ops install demo test test-torch2.14 test-all lint unit clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH"; exit 2; }
@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	# The CPU build of torch 2.13.0 is pinned exactly (it is what CI tests).
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]" torch==2.13.0
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -e ".[dev]" torch==2.13.0
+	$(MAKE) --no-print-directory ops VENV_PY=$(PY) VENV_DIR=$(VENV)
 	touch $(STAMP)
 
 # The second supported torch: 2.14.1 (a CUDA build that runs on the CPU here; pip takes
@@ -25,10 +26,20 @@ $(STAMP_NEXT): pyproject.toml
 	$(PYTHON) -m venv $(VENV_NEXT)
 	$(VENV_NEXT)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_NEXT)/bin/python -m pip install --quiet torch==2.14.1
-	$(VENV_NEXT)/bin/python -m pip install --quiet -e ".[dev]" torch==2.14.1
+	DS_BUILD_OPS=0 $(VENV_NEXT)/bin/python -m pip install --quiet -e ".[dev]" torch==2.14.1
+	$(MAKE) --no-print-directory ops VENV_PY=$(VENV_NEXT)/bin/python VENV_DIR=$(VENV_NEXT)
 	touch $(STAMP_NEXT)
 
 install: $(STAMP)
+
+# DeepSpeed (installed pure-Python, DS_BUILD_OPS=0) compiles its C++ ops on first use:
+# the CPU communication op every engine loads, and FusedAdam (Muon's auxiliary Adam).
+# They are built once per venv here, into TORCH_EXTENSIONS_DIR under the venv (the tests
+# use that folder), so no test waits for a compiler. A build killed midway leaves a
+# `lock` file that makes every later build wait forever: cleared first.
+ops:
+	find $(VENV_DIR)/torch_extensions -name lock -delete 2>/dev/null || true
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV_DIR))/torch_extensions $(VENV_PY) -c "from deepspeed.accelerator import get_accelerator as a; [a().create_op_builder(n).load(verbose=False) for n in ('ShareMemCommBuilder', 'FusedAdamBuilder')]"
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
@@ -45,11 +56,11 @@ TEST_WORKERS ?= 2
 PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 test: lint
-	$(PY) $(PYTEST)
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) $(PYTEST)
 
 # The whole suite again on torch 2.14.1.
 test-torch2.14: $(STAMP_NEXT)
-	$(VENV_NEXT)/bin/python $(PYTEST)
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV_NEXT))/torch_extensions $(VENV_NEXT)/bin/python $(PYTEST)
 
 test-all: test test-torch2.14
 

@@ -47,7 +47,8 @@ def test_every_integration_page_says_to_seed_the_script():
     page says the script must be seeded, and with which call."""
     calls = {"accelerate.md": "set_seed(0)", "lightning.md": "L.seed_everything(0)",
              "transformers.md": "transformers.set_seed(0)", "datasets.md": "torch.manual_seed(0)",
-             "trackers.md": "torch.manual_seed(0)"}  # fmt: skip
+             "trackers.md": "torch.manual_seed(0)",
+             "deepspeed.md": "torch.manual_seed(0)"}  # fmt: skip
     pages = sorted(p.name for p in DOCS.glob("*.md") if p.name != "compared.md")
     assert pages == sorted(calls), pages
     calls["../fine-tuning.md"] = "torch.manual_seed(0)"  # its recipes run the same way
@@ -79,6 +80,16 @@ def test_the_trainer_recipe_resumes_exactly(tmp_path):
     10 (mid-epoch), the logged losses and the final state equal the straight run's."""
     script = write_recipe("transformers.md", "trainer", tmp_path)
     result = _resume_test(tmp_path, 10, sys.executable, str(script), "{dir}")
+    assert result["passed"] and result["compared_steps"] > 0, result
+
+
+def test_the_deepspeed_recipe_resumes_exactly_mid_epoch(tmp_path):
+    """A ZeRO-2 bf16 engine with DeepSpeed's AdamW and WarmupLR, stopped at step 45 (inside
+    epoch 1): the fp32 masters, moments, scheduler and the loader's position come back,
+    and the losses after the stop equal the straight run's."""
+    pytest.importorskip("deepspeed")
+    script = write_recipe("deepspeed.md", "deepspeed", tmp_path)
+    result = _resume_test(tmp_path, 45, sys.executable, str(script), "{dir}")
     assert result["passed"] and result["compared_steps"] > 0, result
 
 

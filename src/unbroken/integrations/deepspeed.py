@@ -52,7 +52,8 @@ KNOWN_OPTIMIZERS = {
     "torch.optim.sgd.SGD",
     "deepspeed.runtime.zero.muon.muon_optimizer.MuonWithAuxAdam",
 }
-KNOWN_AUX = {"deepspeed.ops.adam.fused_adam.FusedAdam", *KNOWN_OPTIMIZERS}
+FUSED_ADAM = "deepspeed.ops.adam.fused_adam.FusedAdam"
+KNOWN_AUX = {FUSED_ADAM, *KNOWN_OPTIMIZERS}
 
 
 def checkpointer_for(
@@ -134,6 +135,21 @@ def _check_engine(engine: Any) -> None:
             f"DeepSpeed Muon's auxiliary optimizer is {_qualname(aux)}, whose state layout "
             "unbroken does not capture exactly"
         )
+    if aux is not None and _qualname(aux) == FUSED_ADAM and _on_cpu():
+        raise ValueError(
+            "DeepSpeed Muon's auxiliary Adam is FusedAdam on the CPU, which keeps its "
+            "bias-correction powers (beta**step, multiplied up step by step) inside its C++ "
+            "object, where no checkpoint can hold them: the first step after a resume "
+            "computes them afresh and the fp32 masters differ in the last bit. Add "
+            '"torch_adam": true to the Muon optimizer\'s params (its auxiliary Adam is then '
+            "torch.optim.AdamW)"
+        )
+
+
+def _on_cpu() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
 
 
 def _zero_optimizer(engine: Any) -> Any:
@@ -242,8 +258,8 @@ class ZeroOptimizerView(torch.optim.Optimizer):
     """A ZeRO optimizer as a torch optimizer over the model's own parameters: its
     ``state_dict()`` holds each parameter's whole state (plus its fp32 master weight under
     ``fp32_master``), gathered from every rank's partitions; ``load_state_dict()`` writes
-    this rank's partitions from such a state. It never steps: the engine does, and its
-    steps run this view's step hooks (the Checkpointer counts them)."""
+    this rank's partitions from such a state. It never steps itself: the engine does,
+    running this view's step hooks first."""
 
     def __init__(self, layout: ZeroLayout) -> None:
         self.layout = layout
@@ -258,14 +274,19 @@ class ZeroOptimizerView(torch.optim.Optimizer):
             for g, params in zip(self.inner_groups, layout.params, strict=True)
         ]
         super().__init__(groups, defaults={})
-        layout.inner.register_step_post_hook(self._engine_stepped)
+        zero, zero_step = layout.zero, layout.zero.step
 
-    def _engine_stepped(self, *_: Any) -> None:
-        for hook in list(self._optimizer_step_post_hooks.values()):
-            hook(self, (), {})
+        # DeepSpeed changes optimizer state before its torch optimizer steps (ZeRO 1-2
+        # commit Muon's momentum first): this view "steps" as the ZeRO step begins, so the
+        # step hooks a Checkpointer relies on (the first-step check, step counts) run then.
+        def step_with_view(*args: Any, **kwargs: Any) -> Any:
+            self.step()
+            return zero_step(*args, **kwargs)
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        raise RuntimeError("the DeepSpeed engine steps its optimizer: call engine.step()")
+        zero.step = step_with_view
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Nothing: the engine steps. Called as each ZeRO step begins, for its hooks."""
 
     def _index(self) -> dict[nn.Parameter, int]:
         return {p: i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
