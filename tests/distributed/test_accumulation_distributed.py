@@ -96,16 +96,43 @@ def _resumed(rank: int, world: int, kind: str, path: str) -> dict:
     return {"grads": grads, **_state(model, opt)}
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_a_stop_between_micro_batches_resumes_bit_for_bit(tmp_path, kind):
+KINDS = ("ddp", "fsdp2")
+
+
+def _straight_and_stopped(rank: int, world: int, paths: dict) -> dict:
+    """Per kind, with fresh objects each time: the uninterrupted run, then the run that
+    stops (both from seed 0; the stop's checkpoint in ``paths[kind]``)."""
+    return {
+        kind: (_straight(rank, world, kind), _stopped(rank, world, kind, paths[kind]))
+        for kind in KINDS
+    }
+
+
+def _resumed_all(rank: int, world: int, paths: dict) -> dict:
+    return {kind: _resumed(rank, world, kind, paths[kind]) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Both kinds in two launches (was six): one runs each kind straight and stopped, a
+    second, fresh one resumes each (the resume never shares a process with its stop)."""
+    base = tmp_path_factory.mktemp("accumulation")
+    paths = {kind: str(base / kind) for kind in KINDS}
+    first = launcher.run(_straight_and_stopped, 2, paths)
+    resumed = launcher.run(_resumed_all, 2, paths)
+    return {
+        kind: ([r[kind][0] for r in first], [r[kind][1] for r in first], [r[kind] for r in resumed])
+        for kind in KINDS
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_stop_between_micro_batches_resumes_bit_for_bit(runs, kind):
     """Item 6, the exact path on 2 ranks: the gradients come back on each rank bit for
     bit (DDP under no_sync: each rank's own, saved per rank; FSDP2: each rank's shard),
     and parameters and AdamW state after two more optimizer steps equal the
     uninterrupted run's."""
-    path = str(tmp_path / "ckpt")
-    want = launcher.run(_straight, 2, kind)
-    held = launcher.run(_stopped, 2, kind, path)
-    got = launcher.run(_resumed, 2, kind, path)
+    want, held, got = runs[kind]
     if kind == "ddp":  # accumulated locally: the ranks' gradients differ
         assert not torch.equal(held[0]["head.weight"], held[1]["head.weight"])
     for rank in range(2):
