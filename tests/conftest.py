@@ -15,6 +15,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 # Every process a test starts prints all threads' Python stacks if it aborts or crashes
 # (a C++ abort in a torchrun rank otherwise leaves one line and no trace).
 os.environ.setdefault("PYTHONFAULTHANDLER", "1")
+# DeepSpeed's C++ ops, built once per venv by the Makefile (its `ops` target): every
+# process a test starts finds them there instead of compiling them again.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
 # The files that take longest (worker seconds in a full run on torch 2.14.1, 2 cores,
