@@ -8,9 +8,11 @@ equal unbroken's checkpoint of the same step, tensor for tensor, bit for bit.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,6 +84,35 @@ def test_reader_matches_deepspeeds_own_views(runs, stage):
     assert offline.keys() == read.state.keys()
     for name, value in offline.items():
         assert torch.equal(read.state[name][deepspeed_folders.MASTER], value), name
+
+
+def test_an_import_restores_onto_another_stage_and_world_size(runs, tmp_path):
+    """ZeRO-2 on 2 ranks, imported, restored by ``checkpointer_for`` on a ZeRO-3 engine
+    of one process: DeepSpeed's own view of the restored engine is the source's, and the
+    engine saves again what unbroken saved in the source run."""
+    work = runs[2]
+    ub.import_checkpoint(work / "ds", tmp_path / "imported", _net())
+    command = [sys.executable, SCRIPTS / "deepspeed_restore.py", tmp_path / "imported"]
+    command += [tmp_path / "resaved", "--stage", "3", "--dump", work / "dump.4"]
+    command += ["--out", tmp_path / "out.json"]
+    done = subprocess.run(list(map(str, command)), env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["mismatches"] == [] and out["step"] == 4
+    assert out["counters"] == {"global_steps": 4, "global_samples": 32, "micro_steps": 4}
+    report = ub.diff_checkpoints(
+        tmp_path / "resaved", work / "ub", full=True, ignore={"rng", "dataloader"}
+    )
+    assert report.identical, [(c.name, c.status) for c in report.components]
+
+
+def _net():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        from deepspeed_train import Net
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return Net()
 
 
 def test_a_missing_rank_file_is_named(runs, tmp_path):
