@@ -41,7 +41,11 @@ def runs(tmp_path_factory) -> dict[int, Path]:
         args = ["--stage", str(stage), "--opt", "torch", "--bf16", "--steps", "4", "--every", "4"]
         args += ["--own", work / "ds", "--dump", work / "dump"]
         done = subprocess.run(
-            torchrun(2, SCRIPT, work / "ub", *args), env=ENV, capture_output=True, text=True, timeout=400
+            torchrun(2, SCRIPT, work / "ub", *args),
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=400,
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         out[stage] = work
@@ -95,7 +99,9 @@ def test_an_import_restores_onto_another_stage_and_world_size(runs, tmp_path):
     command = [sys.executable, SCRIPTS / "deepspeed_restore.py", tmp_path / "imported"]
     command += [tmp_path / "resaved", "--stage", "3", "--dump", work / "dump.4"]
     command += ["--out", tmp_path / "out.json"]
-    done = subprocess.run(list(map(str, command)), env=ENV, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        list(map(str, command)), env=ENV, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = json.loads((tmp_path / "out.json").read_text())
     assert out["mismatches"] == [] and out["step"] == 4

@@ -83,7 +83,7 @@ def _load(path: Path, trust_pickle: bool) -> dict[str, Any]:
     try:
         with torch.serialization.safe_globals([ZeroStageEnum, fragment_address, LossScaler]):
             return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any refusal or damage, named
+    except Exception as exc:  # any refusal or damage, named
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CorruptCheckpointError(
             f"{path} cannot be loaded with torch.load(weights_only=True) and DeepSpeed's "
@@ -124,7 +124,9 @@ def read(path: Path, *, trust_pickle: bool = False) -> DeepSpeedState:
     model = _model(folder, meta["module"], shapes, masters, stage)
     counters = {name: int(meta[name]) for name in COUNTERS}
     counters["micro_steps"] = counters["global_steps"] * _accumulation(config, world)
-    return DeepSpeedState(folder, stage, world, model, state, groups, counters, meta.get("lr_scheduler"))
+    return DeepSpeedState(
+        folder, stage, world, model, state, groups, counters, meta.get("lr_scheduler")
+    )
 
 
 def _model_states(folder: Path, trust_pickle: bool) -> dict[str, Any]:
@@ -172,7 +174,11 @@ def _optim_files(folder: Path, world: int) -> list[Path]:
             "(stage 0 checkpoints cannot be imported)"
         )
     prefix = sorted(prefixes)[0]
-    missing = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world) if r not in found]
+    missing = [
+        f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        for r in range(world)
+        if r not in found
+    ]
     if missing:
         raise IncompleteCheckpointError(
             f"{folder} lacks {', '.join(missing)} of its {world} data-parallel rank(s); copy "
@@ -195,7 +201,9 @@ def _stage12(folder: Path, ranks: list[dict], shapes: list[dict]) -> tuple[dict,
     for r, osd in enumerate(ranks):
         mappings = osd.get("param_slice_mappings")
         if mappings is None:
-            raise StateMismatchError(f"{folder}: rank {r}'s optimizer file records no param_slice_mappings")
+            raise StateMismatchError(
+                f"{folder}: rank {r}'s optimizer file records no param_slice_mappings"
+            )
         for g, mapping in enumerate(mappings):
             for name, address in mapping.items():
                 pieces.setdefault(name, []).append((r, g, int(address.start), int(address.numel)))
@@ -224,7 +232,9 @@ def _stage3(folder: Path, ranks: list[dict], shapes: list[dict], world: int) -> 
     return masters, pieces
 
 
-def _join(folder: Path, pieces: Pieces, shapes: list[dict], flat, what: str) -> dict[str, torch.Tensor]:
+def _join(
+    folder: Path, pieces: Pieces, shapes: list[dict], flat, what: str
+) -> dict[str, torch.Tensor]:
     """Each parameter whole from its pieces of ``flat(rank, group)``."""
     out = {}
     for group in shapes:
@@ -267,11 +277,16 @@ def _optimizer(
         for key in sorted(held[0]):
             value = held[0][key]
             if key == "momentum_buffer":
-                raise StateMismatchError(f"{folder}: Muon momentum; Muon checkpoints cannot be imported exactly")
+                raise StateMismatchError(
+                    f"{folder}: Muon momentum; Muon checkpoints cannot be imported exactly"
+                )
             if isinstance(value, torch.Tensor) and value.dim():
-                whole = _join(folder, pieces, [group], lambda r, gg: held[r][key], key)
+                whole = _join(folder, pieces, [group], lambda r, _, k=key, h=held: h[r][k], key)
             else:  # one per group (Adam's step): every parameter's
-                whole = {name: value.clone() if isinstance(value, torch.Tensor) else value for name in group}
+                whole = {
+                    name: value.clone() if isinstance(value, torch.Tensor) else value
+                    for name in group
+                }
             for name, tensor in whole.items():
                 state[name][key] = tensor
     return state, groups
@@ -287,7 +302,9 @@ def _model(folder: Path, module: dict, shapes: list[dict], masters: dict, stage:
             out[name] = value
     missing = sorted(params - set(out))
     if missing:
-        raise IncompleteCheckpointError(f"{folder}: the module state lacks parameter(s) {missing[:5]}")
+        raise IncompleteCheckpointError(
+            f"{folder}: the module state lacks parameter(s) {missing[:5]}"
+        )
     return out
 
 

@@ -33,7 +33,10 @@ class ImportedZeroOptimizer(torch.optim.Optimizer):
         self.shown_class = shown
         self._saved = ds
         groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [params[n] for n in g["params"]]}
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [params[n] for n in g["params"]],
+            }
             for g in ds.param_groups
         ]
         super().__init__(groups, defaults={})
@@ -46,7 +49,10 @@ class ImportedZeroOptimizer(torch.optim.Optimizer):
         ds = self._saved
         index = {n: i for i, n in enumerate(self._names)}
         groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [index[n] for n in g["params"]],
+            }
             for g in ds.param_groups
         ]
         return {"state": {index[n]: dict(ds.state[n]) for n in self._names}, "param_groups": groups}

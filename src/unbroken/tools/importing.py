@@ -263,7 +263,13 @@ def _import_deepspeed(
     scheduler = _SavedState(ds.scheduler) if ds.scheduler is not None else None
     extra = {deepspeed_import.ENGINE_COMPONENT: deepspeed_import.Counters(ds.counters)}
     ckpt = Checkpointer(
-        dest, model=model, optimizer=view, scheduler=scheduler, extra=extra, keep_last=None, **options
+        dest,
+        model=model,
+        optimizer=view,
+        scheduler=scheduler,
+        extra=extra,
+        keep_last=None,
+        **options,
     )
     try:
         final = ckpt.save(step)

@@ -19,11 +19,10 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-import training_scripts  # noqa: E402,F401  (tests/, before any process group exists)
+import torch
+from deepspeed_train import Net
 
-import torch  # noqa: E402
-
-from deepspeed_train import Net  # noqa: E402
+import training_scripts
 
 
 def main(args: argparse.Namespace) -> None:
@@ -55,7 +54,9 @@ def main(args: argparse.Namespace) -> None:
     for name, p in params:
         if not torch.equal(safe_get_full_fp32_param(p), dump[f"fp32_master/{name}"]):
             bad.append(f"fp32_master/{name}")
-    counters = {n: int(getattr(engine, n)) for n in ("global_steps", "global_samples", "micro_steps")}
+    counters = {
+        n: int(getattr(engine, n)) for n in ("global_steps", "global_samples", "micro_steps")
+    }
     checkpointer_for(engine, args.resaved).save(step)
     with open(args.out, "w") as f:
         json.dump({"step": step, "mismatches": bad, "counters": counters}, f)
