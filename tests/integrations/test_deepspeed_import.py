@@ -29,6 +29,7 @@ SCRIPTS = Path(__file__).parent / "scripts"
 SCRIPT = SCRIPTS / "deepspeed_train.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 STAGES = (2, 3)
+CLIENT = ("step", "loader", "rng")  # the script's client_state: no place in ours
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +60,10 @@ def test_import_equals_unbroken_checkpoint_of_the_same_step(runs, stage, tmp_pat
     work = runs[stage]
     monkeypatch.syspath_prepend(str(SCRIPTS))
     source = work / "ds" if stage == 2 else work / "ds" / "global_step4"
-    result = run_json("import", source, tmp_path / "imported", "--model", "deepspeed_train:Net")
+    args = ["--model", "deepspeed_train:Net", *(f"--ignore={k}" for k in CLIENT)]
+    result = run_json("import", source, tmp_path / "imported", *args)
     assert (result["source_kind"], result["step"], result["model_tensors"]) == ("deepspeed", 4, 8)
+    assert result["ignored"] == sorted(CLIENT)
     report = ub.diff_checkpoints(
         tmp_path / "imported", work / "ub", full=True, ignore={"rng", "dataloader"}
     )
@@ -78,7 +81,7 @@ def test_reader_matches_deepspeeds_own_views(runs, stage):
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     work = runs[stage]
-    read = deepspeed_folders.read(work / "ds")
+    read = deepspeed_folders.read(work / "ds", ignore=CLIENT)
     dump = torch.load(work / "dump.4", weights_only=True)
     for key, value in dump.items():
         kind, name = key.split("/", 1)
@@ -95,7 +98,7 @@ def test_an_import_restores_onto_another_stage_and_world_size(runs, tmp_path):
     of one process: DeepSpeed's own view of the restored engine is the source's, and the
     engine saves again what unbroken saved in the source run."""
     work = runs[2]
-    ub.import_checkpoint(work / "ds", tmp_path / "imported", _net())
+    ub.import_checkpoint(work / "ds", tmp_path / "imported", _net(), ignore=CLIENT)
     command = [sys.executable, SCRIPTS / "deepspeed_restore.py", tmp_path / "imported"]
     command += [tmp_path / "resaved", "--stage", "3", "--dump", work / "dump.4"]
     command += ["--out", tmp_path / "out.json"]
@@ -121,12 +124,18 @@ def _net():
     return Net()
 
 
+def test_client_state_is_left_out_only_by_name(runs, tmp_path):
+    with pytest.raises(StateMismatchError, match=r"client_state.*: loader, step; pass --ignore"):
+        ub.import_checkpoint(runs[3] / "ds", tmp_path / "imported", _net(), ignore={"rng"})
+    assert not (tmp_path / "imported").exists()
+
+
 def test_a_missing_rank_file_is_named(runs, tmp_path):
     folder = tmp_path / "global_step4"
     shutil.copytree(runs[2] / "ds" / "global_step4", folder)
     (folder / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     with pytest.raises(IncompleteCheckpointError, match="bf16_zero_pp_rank_1_mp_rank_00_optim"):
-        deepspeed_folders.read(folder)
+        deepspeed_folders.read(folder, ignore=CLIENT)
 
 
 def test_muon_is_refused_by_name(runs, tmp_path):
@@ -137,4 +146,4 @@ def test_muon_is_refused_by_name(runs, tmp_path):
     meta["ds_config"]["optimizer"] = {"type": "Muon", "params": {"lr": 0.02}}
     torch.save(meta, states)
     with pytest.raises(StateMismatchError, match="Muon"):
-        deepspeed_folders.read(folder)
+        deepspeed_folders.read(folder, ignore=CLIENT)

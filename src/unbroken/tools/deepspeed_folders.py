@@ -34,6 +34,18 @@ from ..errors import CorruptCheckpointError, IncompleteCheckpointError, StateMis
 MASTER = "fp32_master"
 OPTIM_FILE = re.compile(r"^(.*)zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 COUNTERS = ("global_steps", "global_samples", "skipped_steps")
+# What DeepSpeed itself writes in the model states file (engine._common_checkpoint_state);
+# any other top-level key is the client_state passed to save_checkpoint.
+ENGINE_KEYS = frozenset(
+    {
+        "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes",
+        "shared_params", "frozen_param_fragments", "lr_scheduler", "skipped_steps",
+        "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config",
+        "ds_version", "checkpoint_parallel_dimensions",
+    }
+)  # fmt: skip
+# Engine state with no place in an unbroken checkpoint: an error unless left out.
+UNMAPPED = ("data_sampler", "random_ltd", "universal_checkpoint_info")
 
 
 @dataclasses.dataclass
@@ -48,6 +60,7 @@ class DeepSpeedState:
     param_groups: list[dict[str, Any]]  # hyperparameters, "params": [FQN, ...]
     counters: dict[str, int]  # the engine's: global_steps ... micro_steps
     scheduler: dict[str, Any] | None
+    ignored: list[str]  # top-level entries left out on request (client_state...)
 
 
 def is_deepspeed(path: Path) -> bool:
@@ -91,8 +104,10 @@ def _load(path: Path, trust_pickle: bool) -> dict[str, Any]:
         ) from None
 
 
-def read(path: Path, *, trust_pickle: bool = False) -> DeepSpeedState:
+def read(path: Path, *, trust_pickle: bool = False, ignore: Any = ()) -> DeepSpeedState:
     """The DeepSpeed checkpoint at ``path`` (a folder with ``latest``, or a tag folder).
+    The model states file's other top-level entries (``save_checkpoint``'s
+    ``client_state``, curriculum or random-LTD state) must be named in ``ignore``.
 
     Raises:
         IncompleteCheckpointError: a rank's optimizer file (or the model file) is missing.
@@ -108,6 +123,7 @@ def read(path: Path, *, trust_pickle: bool = False) -> DeepSpeedState:
     meta = _model_states(folder, trust_pickle)
     config = meta.get("ds_config") or {}
     _refuse_unsupported(folder, meta, config)
+    ignored = _left_out(folder, meta, set(ignore))
     world = int(meta["dp_world_size"])
     ranks = [_load(f, trust_pickle)["optimizer_state_dict"] for f in _optim_files(folder, world)]
     stage = int(ranks[0]["zero_stage"])
@@ -124,9 +140,8 @@ def read(path: Path, *, trust_pickle: bool = False) -> DeepSpeedState:
     model = _model(folder, meta["module"], shapes, masters, stage)
     counters = {name: int(meta[name]) for name in COUNTERS}
     counters["micro_steps"] = counters["global_steps"] * _accumulation(config, world)
-    return DeepSpeedState(
-        folder, stage, world, model, state, groups, counters, meta.get("lr_scheduler")
-    )
+    scheduler = meta.get("lr_scheduler")
+    return DeepSpeedState(folder, stage, world, model, state, groups, counters, scheduler, ignored)
 
 
 def _model_states(folder: Path, trust_pickle: bool) -> dict[str, Any]:
@@ -158,6 +173,21 @@ def _refuse_unsupported(folder: Path, meta: dict, config: dict) -> None:
                 f"{folder}: the checkpoint has {key} ({', '.join(map(str, meta[key]))}); "
                 "frozen and shared parameters cannot be imported yet"
             )
+
+
+def _left_out(folder: Path, meta: dict, ignore: set[str]) -> list[str]:
+    """The entries to leave out: every one not DeepSpeed's own must be in ``ignore``."""
+    extra = {k for k in meta if k not in ENGINE_KEYS and k not in UNMAPPED}
+    extra |= {k for k in UNMAPPED if meta.get(k) is not None}
+    unasked = sorted(extra - ignore, key=str)
+    if unasked:
+        raise StateMismatchError(
+            f"{folder}: entries with no place in an unbroken checkpoint (save_checkpoint's "
+            f"client_state, or engine state this import does not map): "
+            f"{', '.join(map(str, unasked))}; pass --ignore NAME for each to leave it out on "
+            "purpose"
+        )
+    return sorted(extra & ignore, key=str)
 
 
 def _optim_files(folder: Path, world: int) -> list[Path]:

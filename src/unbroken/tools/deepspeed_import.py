@@ -10,6 +10,7 @@ DeepSpeed's ``"AdamW"`` with ``"torch_adam": true`` runs).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +60,16 @@ class ImportedZeroOptimizer(torch.optim.Optimizer):
 
 
 def prepare(
-    source: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, trust_pickle: bool
+    source: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trust_pickle: bool,
+    ignore: Iterable[str] = (),
 ) -> tuple[deepspeed_folders.DeepSpeedState, ImportedZeroOptimizer]:
     """Read ``source`` and make ``model`` ready to take its compute weights; the optimizer
     view to save. Raises as :func:`deepspeed_folders.read`, and StateMismatchError when the
     factory's optimizer is not the checkpoint's kind or the model's parameters differ."""
-    ds = deepspeed_folders.read(source, trust_pickle=trust_pickle)
+    ds = deepspeed_folders.read(source, trust_pickle=trust_pickle, ignore=ignore)
     dtypes = {v.dtype for v in ds.model.values() if v.is_floating_point()}
     if len(dtypes) == 1:
         (dtype,) = dtypes

@@ -171,7 +171,7 @@ def import_checkpoint(
     """
     source, ignored = Path(source), sorted(set(ignore))
     if deepspeed_folders.is_deepspeed(source):
-        return _import_deepspeed(source, dest, model, optimizer, step, trust_pickle, frozen)
+        return _import_deepspeed(source, dest, model, optimizer, step, ignore, trust_pickle, frozen)
     model_c = ModelComponent(model)
     fqn_of = model_c.parameter_fqns()
     params = {fqn: p for p, fqn in fqn_of.items()}
@@ -245,6 +245,7 @@ def _import_deepspeed(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
     step: int | None,
+    ignore: Iterable[str],
     trust_pickle: bool,
     frozen: str | None,
 ) -> ImportResult:
@@ -253,7 +254,7 @@ def _import_deepspeed(
     from . import deepspeed_import
 
     options = _checkpointer_options(frozen)
-    ds, view = deepspeed_import.prepare(source, model, optimizer, trust_pickle)
+    ds, view = deepspeed_import.prepare(source, model, optimizer, trust_pickle, ignore)
     step = step if step is not None else ds.counters["global_steps"]
     ckdir = checkpoint_dir(dest)
     if step in ckdir.steps():
@@ -283,7 +284,7 @@ def _import_deepspeed(
         f"{view.shown_class} state from ZeRO-{ds.stage} partitions of {ds.world} rank(s)",
         len(ds.state),
         scheduler is not None,
-        [],
+        ds.ignored,
     )
 
 
