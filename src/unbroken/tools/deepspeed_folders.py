@@ -15,8 +15,8 @@ The compute weights are the module state at stages 1-2; at ZeRO-3 the module hol
 placeholders and the compute weight is the fp32 master cast to the compute dtype (what
 DeepSpeed copies after every step). Everything that would not come back exactly (Muon,
 fp16, frozen or shared parameters, model parallelism, a missing rank) is refused by name.
-Files are read with ``torch.load(weights_only=True)``, allowing only the three DeepSpeed
-classes these files hold.
+Files are read with ``torch.load(weights_only=True)`` (:mod:`.deepspeed_pickles`): no code
+is unpickled, and DeepSpeed need not be installed.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import CorruptCheckpointError, IncompleteCheckpointError, StateMismatchError
+from . import deepspeed_pickles
 
 MASTER = "fp32_master"
 OPTIM_FILE = re.compile(r"^(.*)zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -64,44 +65,42 @@ class DeepSpeedState:
 
 
 def is_deepspeed(path: Path) -> bool:
-    """Whether ``path`` is a DeepSpeed checkpoint folder or one of its tag folders."""
+    """Whether ``path`` is a DeepSpeed checkpoint folder (its ``latest`` naming a tag
+    folder of its own) or a tag folder (it holds ``*mp_rank_00_model_states.pt``)."""
     if not path.is_dir():
         return False
-    if (path / "latest").is_file():
+    if _holds_model_states(path):
         return True
-    return any(path.glob("*mp_rank_*_model_states.pt"))
+    latest = path / "latest"
+    if not latest.is_file() or latest.stat().st_size > 4096:
+        return False
+    # DeepSpeed writes its offline converter beside ``latest``; a tag folder that lost
+    # its files still makes this a DeepSpeed folder (tag_folder says which is missing)
+    return (path / "zero_to_fp32.py").is_file() or any(
+        _holds_model_states(sub) for sub in path.iterdir()
+    )
 
 
 def tag_folder(path: Path) -> Path:
     """``path`` itself if it holds the files, else the tag its ``latest`` names."""
-    if any(path.glob("*mp_rank_*_model_states.pt")):
+    if _holds_model_states(path):
         return path
-    tag = (path / "latest").read_text().strip()
+    tag = (path / "latest").read_text(errors="replace").strip()
     folder = path / tag
-    if not folder.is_dir() or not any(folder.glob("*mp_rank_*_model_states.pt")):
+    if not tag or "/" in tag or not _holds_model_states(folder):
         raise IncompleteCheckpointError(
             f"{path / 'latest'} names tag {tag!r}, but {folder} holds no "
-            "*mp_rank_00_model_states.pt; pass the tag folder itself"
+            "*mp_rank_00_model_states.pt; pass a tag folder that does"
         )
     return folder
 
 
-def _load(path: Path, trust_pickle: bool) -> dict[str, Any]:
-    if trust_pickle:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+def _holds_model_states(path: Path) -> bool:
+    return path.is_dir() and any(path.glob("*mp_rank_00_model_states.pt"))
 
-    try:
-        with torch.serialization.safe_globals([ZeroStageEnum, fragment_address, LossScaler]):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # any refusal or damage, named
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CorruptCheckpointError(
-            f"{path} cannot be loaded with torch.load(weights_only=True) and DeepSpeed's "
-            f"checkpoint classes: {first}. If you trust the file, pass --trust-pickle"
-        ) from None
+
+def _load(path: Path, trust_pickle: bool) -> dict[str, Any]:
+    return deepspeed_pickles.load(path, trust_pickle=trust_pickle)
 
 
 def read(path: Path, *, trust_pickle: bool = False, ignore: Any = ()) -> DeepSpeedState:
