@@ -133,8 +133,10 @@ def import_checkpoint(
         source: a ``torch.save`` file ``{"model", "optimizer"?, "scheduler"?, "step"?}``,
             a ``torch.distributed.checkpoint`` directory, a Hugging Face model folder
             (``model.safetensors.index.json`` and its shards, or ``model.safetensors``),
-            or a PEFT adapter folder (``adapter_model.safetensors``,
-            ``adapter_config.json``). Its pickles are read safely: tensors, containers
+            a PEFT adapter folder (``adapter_model.safetensors``,
+            ``adapter_config.json``), or a DeepSpeed ZeRO 1-3 checkpoint folder
+            (``engine.save_checkpoint``'s, or a tag folder in it), saved as
+            ``integrations.deepspeed.checkpointer_for`` saves. Its pickles are read safely: tensors, containers
             and plain values only (``torch.load(weights_only=True)``; DCP's
             ``.metadata`` through an unpickler that knows only its classes); safetensors
             files after their headers and index are checked against the files.
