@@ -250,6 +250,12 @@ def _stage3(folder: Path, ranks: list[dict], shapes: list[dict], world: int) -> 
             pieces[name] = [(r, g, at, each) for r in range(world)]
             at += each
         for r, osd in enumerate(ranks):
+            if len(osd["fp32_flat_groups"]) != len(shapes):
+                raise StateMismatchError(
+                    f"{folder}: rank {r} holds {len(osd['fp32_flat_groups'])} fp32 sub-group(s) "
+                    f"for {len(shapes)} parameter group(s) (a sub_group_size that splits "
+                    "groups); such checkpoints cannot be imported yet"
+                )
             held = osd["fp32_flat_groups"][g].numel()
             if held != at:
                 raise CorruptCheckpointError(

@@ -87,10 +87,11 @@ def prepare(
         shown = class_name(optimizer)
         ours = {k for k in optimizer.param_groups[0] if k != "params"}
         theirs = {k for k in ds.param_groups[0] if k != "params"}
-        if ours != theirs:
+        if not ours <= theirs:  # a scheduler may add its own (initial_lr)
             raise StateMismatchError(
-                f"{ds.folder}: the checkpoint's optimizer groups hold {sorted(theirs)}, the "
-                f"factory's {shown} {sorted(ours)}: return the optimizer it was trained with"
+                f"{ds.folder}: the factory's {shown} has hyperparameters "
+                f"{sorted(ours - theirs)} the checkpoint's optimizer groups lack (they hold "
+                f"{sorted(theirs)}): return the optimizer it was trained with"
             )
     return ds, ImportedZeroOptimizer(model, ds, shown)
 
