@@ -135,7 +135,9 @@ def read(path: Path, *, trust_pickle: bool = False, ignore: Any = ()) -> DeepSpe
         base = [r["optimizer_state_dict"] for r in ranks]
     else:
         raise StateMismatchError(f"{folder}: ZeRO stage {stage}; only stages 1-3 can be imported")
-    state, groups = _optimizer(folder, base, shapes, masters, pieces)
+    flat_key = "single_partition_of_fp32_groups" if stage < 3 else "fp32_flat_groups"
+    sizes = [[t.numel() for t in r[flat_key]] for r in ranks]
+    state, groups = _optimizer(folder, base, shapes, masters, pieces, sizes)
     model = _model(folder, meta["module"], shapes, masters, stage)
     counters = {name: int(meta[name]) for name in COUNTERS}
     counters["micro_steps"] = counters["global_steps"] * _accumulation(config, world)
@@ -292,8 +294,15 @@ def _join(
 
 
 def _optimizer(
-    folder: Path, base: list[dict], shapes: list[dict], masters: dict, pieces: Pieces
+    folder: Path,
+    base: list[dict],
+    shapes: list[dict],
+    masters: dict,
+    pieces: Pieces,
+    sizes: list[list[int]],
 ) -> tuple[dict, list[dict]]:
+    """Per parameter: its master and every state entry shaped like the partitions (cut
+    as the masters are); an entry kept once per group (a step) goes to each."""
     groups = []
     for g, group in enumerate(base[0]["param_groups"]):
         hyper = {k: v for k, v in group.items() if k != "params"}
@@ -311,11 +320,8 @@ def _optimizer(
         held = [b["state"].get(g, {}) for b in base]
         for key in sorted(held[0]):
             value = held[0][key]
-            if key == "momentum_buffer":
-                raise StateMismatchError(
-                    f"{folder}: Muon momentum; Muon checkpoints cannot be imported exactly"
-                )
             if isinstance(value, torch.Tensor) and value.dim():
+                _check_partitioned(folder, g, key, [h.get(key) for h in held], sizes)
                 whole = _join(folder, pieces, [group], lambda r, _, k=key, h=held: h[r][k], key)
             else:  # one per group (Adam's step): every parameter's
                 whole = {
@@ -325,6 +331,25 @@ def _optimizer(
             for name, tensor in whole.items():
                 state[name][key] = tensor
     return state, groups
+
+
+def _check_partitioned(
+    folder: Path, g: int, key: str, values: list[Any], sizes: list[list[int]]
+) -> None:
+    """Every rank holds ``key`` shaped like its partition of group ``g``: the fp32 one at
+    stage 3; at stages 1-2 one padded size on every rank, at least its fp32 partition
+    (which the files keep without the last rank's padding). Anything else (Muon's flat
+    momentum) would be cut wrongly."""
+    lengths = [v.numel() if isinstance(v, torch.Tensor) else None for v in values]
+    padded = len(set(lengths)) == 1 and all(
+        n is not None and n >= sizes[r][g] for r, n in enumerate(lengths)
+    )
+    if not padded:
+        raise StateMismatchError(
+            f"{folder}: optimizer state {key!r} of group {g} holds {lengths} elements on the "
+            f"ranks, their fp32 partitions {[s[g] for s in sizes]}: it is not laid out like "
+            "the partitions, so it cannot be cut per parameter exactly"
+        )
 
 
 def _model(folder: Path, module: dict, shapes: list[dict], masters: dict, stage: int) -> dict:
