@@ -163,10 +163,10 @@ def _refuse_unsupported(folder: Path, meta: dict, config: dict) -> None:
     optimizer = str((config.get("optimizer") or {}).get("type", "")).lower()
     if "muon" in optimizer:
         raise StateMismatchError(
-            f"{folder}: a DeepSpeed Muon checkpoint; at ZeRO stages 1-2 Muon keeps its "
-            "momentum in a flat buffer of whole parameters that the files do not lay out "
-            "per parameter, so it cannot be imported exactly. Save with unbroken's "
-            "checkpointer_for(engine) during training instead"
+            f"{folder}: a DeepSpeed Muon checkpoint, which cannot be imported exactly: at "
+            "ZeRO stages 1-2 Muon keeps its momentum in a flat buffer of whole parameters "
+            "that the files do not lay out per parameter (refused at every stage). Save "
+            "with unbroken's checkpointer_for(engine) during training instead"
         )
     for key in ("frozen_param_shapes", "shared_params"):
         if meta.get(key):
