@@ -24,7 +24,8 @@ from unbroken.errors import IncompleteCheckpointError, StateMismatchError
 from unbroken.tools import deepspeed_folders
 
 pytest.importorskip("deepspeed")
-pytestmark = pytest.mark.e2e
+pytest.importorskip("torchdata")
+pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
 SCRIPTS = Path(__file__).parent / "scripts"
 SCRIPT = SCRIPTS / "deepspeed_train.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
