@@ -36,7 +36,12 @@ byte ranges outside the file or of the wrong size, an unknown dtype: exit 1, nam
 file and the tensor). An HF folder records no step: pass --step. For a PEFT adapter the
 factory builds the PeftModel on its base model (loaded by the factory), and every
 adapter tensor is loaded into adapter --adapter (default "default") or named in an
-error; the base's tensors stay as the factory built them.
+error; the base's tensors stay as the factory built them. A DeepSpeed checkpoint folder
+(engine.save_checkpoint's DIR, or DIR/global_stepN; ZeRO 1-3, bf16 or fp32, Adam-type
+torch optimizers) is saved as integrations.deepspeed.checkpointer_for(engine) saves:
+the factory returns the module as built before deepspeed.initialize (and optionally the
+torch optimizer); each client_state entry needs --ignore NAME; Muon, fp16, frozen or
+shared parameters and a missing rank's file are refused by name.
 
 --model names a zero-argument callable, `package.module:function` (importable from the
 current directory), returning the model or a (model, optimizer) tuple built exactly as
@@ -61,7 +66,8 @@ def import_command(
         Path,
         typer.Argument(
             metavar="SRC",
-            help="A torch.save file, a DCP directory, an HF model folder or a PEFT adapter.",
+            help="A torch.save file, a DCP directory, an HF model folder, a PEFT adapter or a "
+            "DeepSpeed checkpoint folder.",
         ),
     ],
     dest: Annotated[

@@ -38,7 +38,7 @@ from ..errors import CheckpointError, IncompleteCheckpointError, StateMismatchEr
 from ..live.optimizer import OptimizerComponent
 from ..live.state import ModelComponent
 from ..storage.locate import checkpoint_dir
-from . import foreign, optimizer_mapping
+from . import deepspeed_folders, foreign, optimizer_mapping
 from .reporting import JsonResult
 
 Factory = Callable[[], "nn.Module | tuple[nn.Module, torch.optim.Optimizer]"]
@@ -50,7 +50,7 @@ class ImportResult(JsonResult):
 
     path: str  # the committed step folder
     step: int  # the step it was saved as
-    source_kind: str  # "torch.save" | "dcp" | "hf" | "peft"
+    source_kind: str  # "torch.save" | "dcp" | "hf" | "peft" | "deepspeed"
     model_tensors: int  # model tensors imported
     optimizer: str  # "factory", "AdamW from the imported param groups", or "none"
     optimizer_params: int  # parameters with imported optimizer state and hyperparameters
@@ -133,8 +133,10 @@ def import_checkpoint(
         source: a ``torch.save`` file ``{"model", "optimizer"?, "scheduler"?, "step"?}``,
             a ``torch.distributed.checkpoint`` directory, a Hugging Face model folder
             (``model.safetensors.index.json`` and its shards, or ``model.safetensors``),
-            or a PEFT adapter folder (``adapter_model.safetensors``,
-            ``adapter_config.json``). Its pickles are read safely: tensors, containers
+            a PEFT adapter folder (``adapter_model.safetensors``,
+            ``adapter_config.json``), or a DeepSpeed ZeRO 1-3 checkpoint folder
+            (``engine.save_checkpoint``'s, or a tag folder in it), saved as
+            ``integrations.deepspeed.checkpointer_for`` saves. Its pickles are read safely: tensors, containers
             and plain values only (``torch.load(weights_only=True)``; DCP's
             ``.metadata`` through an unpickler that knows only its classes); safetensors
             files after their headers and index are checked against the files.
@@ -170,6 +172,8 @@ def import_checkpoint(
         print(result.step, result.path)
     """
     source, ignored = Path(source), sorted(set(ignore))
+    if deepspeed_folders.is_deepspeed(source):
+        return _import_deepspeed(source, dest, model, optimizer, step, ignore, trust_pickle, frozen)
     model_c = ModelComponent(model)
     fqn_of = model_c.parameter_fqns()
     params = {fqn: p for p, fqn in fqn_of.items()}
@@ -234,6 +238,55 @@ def import_checkpoint(
         scheduler is not None,
         ignored,
         len(saved) - len(state.model),
+    )
+
+
+def _import_deepspeed(
+    source: Path,
+    dest: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    step: int | None,
+    ignore: Iterable[str],
+    trust_pickle: bool,
+    frozen: str | None,
+) -> ImportResult:
+    """A DeepSpeed checkpoint folder, saved as ``checkpointer_for(engine)`` saves
+    (:mod:`unbroken.tools.deepspeed_import`)."""
+    from . import deepspeed_import
+
+    options = _checkpointer_options(frozen)
+    ds, view = deepspeed_import.prepare(source, model, optimizer, trust_pickle, ignore)
+    step = step if step is not None else ds.counters["global_steps"]
+    ckdir = checkpoint_dir(dest)
+    if step in ckdir.steps():
+        raise ValueError(f"{dest} already holds a checkpoint of step {step}; choose another")
+    ckdir.check_not_foreign()
+    _install_model(model, get_model_state_dict(model), ds.model, ds.folder)
+    scheduler = _SavedState(ds.scheduler) if ds.scheduler is not None else None
+    extra = {deepspeed_import.ENGINE_COMPONENT: deepspeed_import.Counters(ds.counters)}
+    ckpt = Checkpointer(
+        dest,
+        model=model,
+        optimizer=view,
+        scheduler=scheduler,
+        extra=extra,
+        keep_last=None,
+        **options,
+    )
+    try:
+        final = ckpt.save(step)
+    finally:
+        ckpt.close()
+    return ImportResult(
+        final,
+        step,
+        "deepspeed",
+        len(ds.model),
+        f"{view.shown_class} state from ZeRO-{ds.stage} partitions of {ds.world} rank(s)",
+        len(ds.state),
+        scheduler is not None,
+        ds.ignored,
     )
 
 
