@@ -8,7 +8,7 @@ and resumed, compared bit for bit with one that never stopped.
     python benchmarks/compared.py --render docs/integrations/compared.md --write-docs
                                                        # the page again from its results
 
-One training script per framework (``compared/{accelerate,lightning,trainer}_run.py``),
+One training script per framework (``compared/{accelerate,lightning,trainer,deepspeed}_run.py``),
 resumed by the framework's documented recipe (``--resume own``) or by unbroken's
 integration (``--resume unbroken``); per case three fresh processes: straight, stopped at
 step K, resumed; straight and resumed compared bit for bit (the page says how). Never
@@ -62,6 +62,7 @@ FRAMEWORKS = {  # the recipes themselves are described in the page, by hand
     "accelerate": Framework("Accelerate", "accelerate_run.py", "accelerate"),
     "lightning": Framework("Lightning", "lightning_run.py", "lightning"),
     "transformers": Framework("HF Trainer", "trainer_run.py", "transformers"),
+    "deepspeed": Framework("DeepSpeed", "deepspeed_run.py", "deepspeed"),
 }
 
 
@@ -285,6 +286,7 @@ SOURCES = {
     "tf_rng": ("transformers", "trainer.py", "if rng_to_sync:"),
     "tf_tr_loss": ("transformers", "trainer.py", "self._tr_loss = torch.tensor(0.0"),
     "tf_log": ("transformers", "trainer.py", 'logs["loss"] = tr_loss_scalar / ('),
+    "ds_state": ("deepspeed", "runtime/engine.py", "def _common_checkpoint_state("),
 }  # fmt: skip
 
 
@@ -362,6 +364,14 @@ WHY = {
         "after the resume averages only the steps since the resume: the weights are "
         "identical, the logged loss is not. unbroken keeps that sum and its step "
         "(`trainer_loop`).",
+    ),
+    ("deepspeed", "own", ""): Why(
+        "no RNG state in the checkpoint: other dropout masks (same batches)",
+        "A DeepSpeed checkpoint holds the module, the ZeRO optimizer's partitions, the LR "
+        "scheduler, the engine's counters and the client state ({ds_state}), but no RNG "
+        "state: the resumed run trains on the same batches (the skip is the script's, the "
+        "sampler seeded by its epoch), with dropout masks drawn from the generator as "
+        "seeded at process start.",
     ),
 }
 UNEXPECTED = "unexpected: a bug in unbroken's integration (rerun with --workdir to keep the runs)"

@@ -139,7 +139,10 @@ class ZeroLayout:
             return
         flat = torch.cat(parts)
         for slot in self.slots[g]:
-            yield slot.param, flat[slot.start : slot.start + slot.numel].reshape(slot.param.shape).clone()
+            yield (
+                slot.param,
+                flat[slot.start : slot.start + slot.numel].reshape(slot.param.shape).clone(),
+            )
 
     def muon_momentum(self, g: int, local: torch.Tensor) -> dict[nn.Parameter, torch.Tensor]:
         """Stages 1 and 2: Muon's momentum, kept whole for each parameter a rank's partition

@@ -91,7 +91,12 @@ def checkpointer_for(
         model = Zero3Module(engine.module, layout) if layout.stage3 else engine.module
         optimizer = ZeroOptimizerView(layout)
     return Checkpointer(
-        path, model=model, optimizer=optimizer, scheduler=scheduler, extra=extra, **checkpointer_args
+        path,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        extra=extra,
+        **checkpointer_args,
     )
 
 
@@ -219,7 +224,9 @@ class Zero3Module(nn.Module):
                 out[key] = value.detach() if isinstance(value, torch.Tensor) else value
         return out
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):  # type: ignore[override]
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ):  # type: ignore[override]
         layout = self.__dict__["_layout"]
         live = self.__dict__["_wrapped"].state_dict(keep_vars=True)
         missing = [k for k in live if k not in state_dict]
@@ -313,7 +320,9 @@ class ZeroOptimizerView(torch.optim.Optimizer):
                         state[index[p]][key] = whole
                 else:  # a step count, kept once per group
                     for p in ours["params"]:
-                        state[index[p]][key] = value.clone() if isinstance(value, torch.Tensor) else value
+                        state[index[p]][key] = (
+                            value.clone() if isinstance(value, torch.Tensor) else value
+                        )
         return {"state": {i: s for i, s in state.items() if s}, "param_groups": groups}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
@@ -321,7 +330,9 @@ class ZeroOptimizerView(torch.optim.Optimizer):
         saved_state = state_dict["state"]
         order = [p for g in self.param_groups for p in g["params"]]
         by_param = {p: saved_state.get(i, {}) for i, p in enumerate(order)}
-        for g, (saved, live) in enumerate(zip(state_dict["param_groups"], self.inner_groups, strict=True)):
+        for g, (saved, live) in enumerate(
+            zip(state_dict["param_groups"], self.inner_groups, strict=True)
+        ):
             for key, value in saved.items():
                 if key != "params":
                     live[key] = value
@@ -351,20 +362,28 @@ class ZeroOptimizerView(torch.optim.Optimizer):
         values = [by_param[p].get(key) for p in params]
         first = values[0]
         flat = layout.flats[g]
-        if isinstance(first, torch.Tensor) and first.dim() and not (
-            key == MUON_MOMENTUM and not layout.stage3
+        if (
+            isinstance(first, torch.Tensor)
+            and first.dim()
+            and not (key == MUON_MOMENTUM and not layout.stage3)
         ):
             target = live
-            if not isinstance(target, torch.Tensor) or target.shape != flat.shape or target.dtype != first.dtype:
+            if (
+                not isinstance(target, torch.Tensor)
+                or target.shape != flat.shape
+                or target.dtype != first.dtype
+            ):
                 target = torch.zeros(flat.shape, dtype=first.dtype, device=flat.device)
             layout.write(g, target, lambda p: by_param[p][key])
             return target
         if isinstance(first, torch.Tensor) and first.dim():  # Muon's momentum, stages 1-2
-            pieces = [
-                by_param[s.param][key].reshape(-1) for s in layout.touching(g, layout.rank)
-            ]
+            pieces = [by_param[s.param][key].reshape(-1) for s in layout.touching(g, layout.rank)]
             whole = torch.cat(pieces) if pieces else first.new_zeros(0)
-            if isinstance(live, torch.Tensor) and live.shape == whole.shape and live.dtype == whole.dtype:
+            if (
+                isinstance(live, torch.Tensor)
+                and live.shape == whole.shape
+                and live.dtype == whole.dtype
+            ):
                 live.copy_(whole)
                 return live
             return whole.clone()
@@ -375,7 +394,11 @@ class ZeroOptimizerView(torch.optim.Optimizer):
                     "group in the checkpoint; ZeRO keeps one per group"
                 )
         if isinstance(first, torch.Tensor):
-            if isinstance(live, torch.Tensor) and live.shape == first.shape and live.dtype == first.dtype:
+            if (
+                isinstance(live, torch.Tensor)
+                and live.shape == first.shape
+                and live.dtype == first.dtype
+            ):
                 live.copy_(first)
                 return live
             return first.clone()

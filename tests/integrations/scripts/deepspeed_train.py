@@ -23,12 +23,12 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-import training_scripts  # noqa: E402  (tests/, before any process group exists)
+import numpy as np
+import torch
+from torch import nn
+from torchdata.stateful_dataloader import StatefulDataLoader
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
+import training_scripts
 
 WIDTH = 13
 
@@ -145,16 +145,30 @@ def dump(engine, path: str, rank: int) -> None:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     out = {}
+    # Stages 1-2 link each parameter's view of the optimizer state only at the first step
+    # (DeepSpeed's own lazy init, run here as that step would): right after a restore the
+    # per-parameter API has nothing to read yet.
+    link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if callable(link):
+        link()
     params = list(engine.module.named_parameters())
     muon = any(hasattr(p, "use_muon") for _, p in params)
-    with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=engine.zero_optimization_stage() == 3):
+    with deepspeed.zero.GatheredParameters(
+        [p for _, p in params], enabled=engine.zero_optimization_stage() == 3
+    ):
         for name, p in params:
             out[f"model/{name}"] = p.detach().clone()
     for name, p in params:
         out[f"fp32_master/{name}"] = safe_get_full_fp32_param(p)
         stage3 = engine.zero_optimization_stage() == 3
         if muon:  # stages 1-2 expose neither Muon's momentum nor its Adam's moments
-            keys = () if not stage3 else ("momentum_buffer",) if p.use_muon else ("exp_avg", "exp_avg_sq")
+            keys = (
+                ()
+                if not stage3
+                else ("momentum_buffer",)
+                if p.use_muon
+                else ("exp_avg", "exp_avg_sq")
+            )
         else:
             keys = ("exp_avg", "exp_avg_sq")
         for key in keys:
