@@ -1,0 +1,106 @@
+"""A tiny Megatron-Core GPT trained on a repeating token pattern, checkpointed by
+``unbroken.integrations.megatron`` (CPU, gloo, through the test-only ``megatron_cpu``).
+
+Run under ``torchrun --standalone --nproc_per_node N``::
+
+    megatron_train.py DIR [--tp T] [--fp32] [--steps S] [--every E]
+
+Every data-parallel rank trains on its own rows; the loss tracked is the mean over them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the CPU shim
+import megatron_cpu  # noqa: E402,F401  (before Megatron places anything)
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
+from megatron.core.models.gpt import GPTModel  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
+from megatron.core.transformer import TransformerConfig  # noqa: E402
+from megatron.core.transformer.module import Float16Module  # noqa: E402
+
+from unbroken.integrations.megatron import checkpointer_for  # noqa: E402
+
+VOCAB, SEQ, BATCH = 64, 16, 4
+
+
+def batch(step: int, dp_rank: int) -> torch.Tensor:
+    """Rows of a repeating pattern (token t+1 follows t, modulo 11), offset per row."""
+    starts = torch.arange(BATCH) * 7 + step * 3 + dp_rank * 5
+    return (starts[:, None] + torch.arange(SEQ + 1)[None, :]) % 11
+
+
+def build(tp: int, fp32: bool):
+    dtype = torch.float32 if fp32 else torch.bfloat16
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, bf16=not fp32, params_dtype=dtype,
+        pipeline_dtype=dtype, tensor_model_parallel_size=tp,
+    )  # fmt: skip
+    model = GPTModel(
+        config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=VOCAB, max_sequence_length=SEQ,
+    )  # fmt: skip
+    if not fp32:
+        model = Float16Module(config, model)  # bf16 throughout, as Megatron's get_model does
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, bf16=not fp32, clip_grad=0.0), [model]
+    )
+    return model, optimizer
+
+
+def train_step(model, optimizer, step: int) -> torch.Tensor:
+    dp = parallel_state.get_data_parallel_group()
+    rows = batch(step, parallel_state.get_data_parallel_rank())
+    tokens, labels = rows[:, :-1], rows[:, 1:]
+    positions = torch.arange(SEQ)[None, :].expand(BATCH, SEQ)
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    loss = model(tokens, positions, None, labels=labels).float().mean()
+    loss.backward()
+    model.finish_grad_sync()
+    optimizer.step()
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, group=dp)
+    return mean / dist.get_world_size(dp)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("dir")
+    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--fp32", action="store_true")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--every", type=int, default=2)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    random.seed(0)
+    torch.manual_seed(0)
+    model, optimizer = build(args.tp, args.fp32)
+    ckpt = checkpointer_for(model, optimizer, args.dir)
+    start = ckpt.restore().step
+    for step in range(start, args.steps):
+        loss = train_step(model, optimizer, step)
+        ckpt.track(step + 1, loss=loss)
+        if (step + 1) % args.every == 0 or ckpt.should_stop(step + 1):
+            ckpt.save(step + 1)
+        if ckpt.should_stop(step + 1):
+            break
+    ckpt.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
