@@ -129,13 +129,6 @@ def _check_layout(chunk: nn.Module) -> None:
     for name, p in chunk.named_parameters():
         if not getattr(p, "tensor_model_parallel", False):
             continue
-        stride = getattr(p, "partition_stride", 1)
-        if tp_size > 1 and stride != 1:
-            raise ValueError(
-                f"parameter {name} is split across tensor-parallel ranks with partition_stride="
-                f"{stride}: its slices are interleaved, not one block per rank, so a whole "
-                "tensor cannot be made of them. Build the model without strided partitions"
-            )
         if tp_size > 1 and getattr(config, "gated_linear_unit", False) and "linear_fc1" in name:
             raise ValueError(
                 f"parameter {name} is a gated linear unit (gated_linear_unit=True, e.g. "
@@ -143,6 +136,13 @@ def _check_layout(chunk: nn.Module) -> None:
                 "the gate and of the up projection one after the other, so the ranks' "
                 "slices joined are not the layer's weight and would restore wrong at another "
                 "TP size. Use tensor_model_parallel_size=1 or a non-gated MLP"
+            )
+        stride = getattr(p, "partition_stride", 1)
+        if tp_size > 1 and stride != 1:
+            raise ValueError(
+                f"parameter {name} is split across tensor-parallel ranks with partition_stride="
+                f"{stride}: its slices are interleaved, not one block per rank, so a whole "
+                "tensor cannot be made of them. Build the model without strided partitions"
             )
     for name, module in chunk.named_modules():
         extra = module.get_extra_state() if _has_extra_state(module) else None
@@ -188,7 +188,7 @@ def _leaves(optimizer: Any) -> list[Any]:
             )
         if name not in _SUPPORTED_OPTIMIZERS or getattr(leaf, "optimizer", None) is None:
             raise TypeError(
-                f"{where} is a {name}; checkpointer_for saves Megatron's "
+                f"{where} is a {name} object; checkpointer_for saves Megatron's "
                 f"{' and '.join(_SUPPORTED_OPTIMIZERS)} (and a ChainedOptimizer of them), "
                 "as get_megatron_optimizer builds them without use_distributed_optimizer"
             )

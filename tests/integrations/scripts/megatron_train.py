@@ -3,32 +3,37 @@
 
 Run under ``torchrun --standalone --nproc_per_node N``::
 
-    megatron_train.py DIR [--tp T] [--fp32] [--steps S] [--every E]
+    megatron_train.py DIR [--tp T] [--fp32] [--steps S] [--every E] [--resave DIR2]
 
 Every data-parallel rank trains on its own rows; the loss tracked is the mean over them.
+``--resave DIR2``: restore DIR's latest checkpoint, save what was installed into DIR2 at
+the same step, write the restore report to DIR2/report.json, and stop (no training).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the CPU shim
-import megatron_cpu  # noqa: E402,F401  (before Megatron places anything)
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
-from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
-from megatron.core.transformer.module import Float16Module  # noqa: E402
+import megatron_cpu  # noqa: F401  (before Megatron places anything)
 
-from unbroken.integrations.megatron import checkpointer_for  # noqa: E402
+# isort: split
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
+
+from unbroken.integrations.megatron import checkpointer_for
 
 VOCAB, SEQ, BATCH = 64, 16, 4
 
@@ -82,6 +87,7 @@ def main() -> None:
     parser.add_argument("--fp32", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--every", type=int, default=2)
+    parser.add_argument("--resave")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
@@ -89,7 +95,11 @@ def main() -> None:
     torch.manual_seed(0)
     model, optimizer = build(args.tp, args.fp32)
     ckpt = checkpointer_for(model, optimizer, args.dir)
-    start = ckpt.restore().step
+    # Another world size: the per-rank RNG state does not map, and is not what is checked.
+    report = ckpt.restore(reset={"rng"} if args.resave else None)
+    if args.resave:
+        return resave(report, model, optimizer, args.resave)
+    start = report.step
     for step in range(start, args.steps):
         loss = train_step(model, optimizer, step)
         ckpt.track(step + 1, loss=loss)
@@ -98,6 +108,17 @@ def main() -> None:
         if ckpt.should_stop(step + 1):
             break
     ckpt.close()
+    dist.destroy_process_group()
+
+
+def resave(report, model, optimizer, folder: str) -> None:
+    again = checkpointer_for(model, optimizer, folder)
+    again.save(report.step)
+    again.close()
+    if dist.get_rank() == 0:
+        fields = ("step", "restored", "verified", "resharded", "saved_world_size", "world_size")
+        out = {f: getattr(report, f) for f in fields}
+        (Path(folder) / "report.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
