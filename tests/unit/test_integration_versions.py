@@ -20,6 +20,7 @@ PAGES = {
     "accelerate": "docs/integrations/accelerate.md",
     "lightning": "docs/integrations/lightning.md",
     "transformers": "docs/integrations/transformers.md",
+    "megatron-core": "docs/integrations/megatron.md",
 }
 
 
@@ -36,7 +37,7 @@ def _pins() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", ["accelerate", "lightning", "transformers", "datasets",
-                                  "tensorboard", "wandb", "torchdata"])  # fmt: skip
+                                  "tensorboard", "wandb", "torchdata", "megatron-core"])  # fmt: skip
 def test_ci_installs_exactly_the_pinned_version(name):
     pins = _pins()
     assert name in pins, f"pyproject's dev extra does not pin {name} exactly"
