@@ -7,7 +7,8 @@ Run under ``torchrun --standalone --nproc_per_node N``::
 
 Every data-parallel rank trains on its own rows; the loss tracked is the mean over them.
 ``--resave DIR2``: restore DIR's latest checkpoint, save what was installed into DIR2 at
-the same step, write the restore report to DIR2/report.json, and stop (no training).
+the same step; restore it again into a fresh model with ``reset={"optimizer"}``; write
+both restores' outcome to DIR2/report.json, and stop (no training).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def main() -> None:
     # Another world size: the per-rank RNG state does not map, and is not what is checked.
     report = ckpt.restore(reset={"rng"} if args.resave else None)
     if args.resave:
-        return resave(report, model, optimizer, args.resave)
+        return resave(report, model, optimizer, args)
     start = report.step
     for step in range(start, args.steps):
         loss = train_step(model, optimizer, step)
@@ -111,14 +112,23 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def resave(report, model, optimizer, folder: str) -> None:
-    again = checkpointer_for(model, optimizer, folder)
+def resave(report, model, optimizer, args) -> None:
+    again = checkpointer_for(model, optimizer, args.resave)
     again.save(report.step)
     again.close()
+    fields = ("step", "restored", "verified", "resharded", "saved_world_size", "world_size")
+    out = {f: getattr(report, f) for f in fields}
+    # Restored into a fresh model with the optimizer reset: each fp32 main weight must
+    # start from the restored compute weight, not from the fresh model's initial one.
+    model, optimizer = build(args.tp, args.fp32)
+    fresh = checkpointer_for(model, optimizer, args.dir)
+    reset = fresh.restore(reset={"optimizer", "rng"})
+    params = [p for p in model.parameters() if hasattr(p, "main_param")]
+    out["reset_verified"] = reset.verified
+    out["mains"] = len(params)
+    out["mains_from_restored"] = all(torch.equal(p.main_param, p.float()) for p in params)
     if dist.get_rank() == 0:
-        fields = ("step", "restored", "verified", "resharded", "saved_world_size", "world_size")
-        out = {f: getattr(report, f) for f in fields}
-        (Path(folder) / "report.json").write_text(json.dumps(out))
+        (Path(args.resave) / "report.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
