@@ -18,7 +18,7 @@ install fingerprints both (DESIGN.md F4).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -252,6 +252,37 @@ class OptimizerState(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> None:  # type: ignore[override]
         raise TypeError("OptimizerState only saves and restores: step Megatron's optimizer")
+
+
+class RNGTrackerState:
+    """Megatron's model-parallel RNG tracker (``get_cuda_rng_tracker()``): the named CUDA
+    generator states its ``fork()`` swaps in, which dropout inside Megatron's attention
+    and tensor-parallel regions draws from (the default generators are the ``rng``
+    component's). They differ between TP ranks, so they are saved per rank and restore
+    onto the same layout; at another one, pass ``reset={"megatron_rng", "rng"}``.
+
+    Args:
+        tracker: returns the live tracker (Megatron may replace it, e.g. on a re-seed).
+    """
+
+    def __init__(self, tracker: Callable[[], Any]) -> None:
+        self._tracker = tracker
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        states = dict(self._tracker().get_states())
+        for name, value in states.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"Megatron's RNG tracker keeps its state {name!r} as a "
+                    f"{type(value).__name__}, not a generator-state tensor (a CUDA-graph-safe "
+                    "or Transformer Engine tracker): it cannot be saved exactly. Initialize "
+                    "Megatron's model-parallel RNG without CUDA-graphable RNG and without "
+                    "Transformer Engine's tracker"
+                )
+        return states
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._tracker().set_states(dict(state))
 
 
 def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:

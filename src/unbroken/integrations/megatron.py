@@ -8,7 +8,9 @@ wrapped in Megatron's ``DistributedDataParallel``, and the optimizer from
   whole tensors sharded over the TP group, so a checkpoint restores at another TP size;
 - ``optimizer``: per parameter the torch optimizer's state (Adam's ``exp_avg``,
   ``exp_avg_sq``, ``step``) and the fp32 main weight (``main_param``) of a bf16/fp16
-  parameter, each in its own dtype, and any loss scaler's state.
+  parameter, each in its own dtype, and any loss scaler's state;
+- ``megatron_rng``: the generator states of Megatron's model-parallel RNG tracker (what
+  its dropout draws from), per rank.
 
 Both weights are installed before the first step and fingerprinted again after the
 install (DESIGN.md F4). What cannot be captured exactly is refused when the Checkpointer
@@ -28,9 +30,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..checkpointer import Checkpointer
-from ._megatron_state import ModelState, OptimizerState, TensorParallel
+from ._megatron_state import ModelState, OptimizerState, RNGTrackerState, TensorParallel
 
 __all__ = ["checkpointer_for"]
+
+# The extra component holding Megatron's model-parallel RNG tracker.
+RNG_TRACKER = "megatron_rng"
 
 _SUPPORTED_OPTIMIZERS = ("Float16OptimizerWithFloat16Params", "FP32Optimizer")
 
@@ -56,14 +61,15 @@ def checkpointer_for(
             Megatron's ``OptimizerParamScheduler``, ``dataloader``, ``extra``,
             ``keep_last``, ``probe``, ``async_save``, ...).
     Returns:
-        the Checkpointer, with components ``model`` and ``optimizer`` as described in
-        this module's docstring.
+        the Checkpointer, with components ``model``, ``optimizer`` and ``megatron_rng``
+        as described in this module's docstring.
     Raises:
         TypeError: the model or optimizer is of a kind this cannot save exactly (the
             message names it and says what to use instead).
         ValueError: a parallel layout this cannot save exactly (pipeline or expert
             parallelism, gated linear units or strided partitions under TP), or
-            ``checkpointer_args`` names ``model`` or ``optimizer``.
+            ``checkpointer_args`` names ``model`` or ``optimizer``, or ``extra`` reuses
+            ``megatron_rng``.
 
     Example::
 
@@ -77,14 +83,27 @@ def checkpointer_for(
     taken = sorted({"model", "optimizer"} & set(checkpointer_args))
     if taken:
         raise ValueError(f"checkpointer_for passes {taken} itself: leave them out")
+    extra = dict(checkpointer_args.pop("extra", None) or {})
+    if RNG_TRACKER in extra:
+        raise ValueError(
+            f"extra reuses the component name {RNG_TRACKER!r}, which checkpointer_for adds"
+        )
     chunk = _chunk(model)
     _check_layout(chunk)
     tp = TensorParallel(_tp_mesh(chunk))
     state = ModelState(chunk, tp)
     leaves = _leaves(optimizer)
     _check_optimizer_params(leaves, state, chunk)
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    extra[RNG_TRACKER] = RNGTrackerState(get_cuda_rng_tracker)
+    extra[RNG_TRACKER].state_dict()  # refuses a tracker it cannot save, now
     return Checkpointer(
-        path, model=state, optimizer=OptimizerState(leaves, state, tp), **checkpointer_args
+        path,
+        model=state,
+        optimizer=OptimizerState(leaves, state, tp),
+        extra=extra,
+        **checkpointer_args,
     )
 
 
