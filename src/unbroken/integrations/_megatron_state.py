@@ -68,9 +68,16 @@ class ModelState(nn.Module):
 
     def __init__(self, chunk: nn.Module, tp: TensorParallel) -> None:
         super().__init__()
+        # The chunk's own children and tensors under their names: FQNs resolve as in it.
         for name, child in chunk.named_children():
             self.add_module(name, child)
-        self._chunk = [chunk]  # not a submodule: its FQNs are ours already
+        for name, p in chunk._parameters.items():
+            if p is not None:
+                self.register_parameter(name, p)
+        for name, b in chunk._buffers.items():
+            if b is not None:
+                persistent = name not in chunk._non_persistent_buffers_set
+                self.register_buffer(name, b, persistent=persistent)
         self._tp = tp
         self._params = dict(chunk.named_parameters())
         self._buffers_kept = {
