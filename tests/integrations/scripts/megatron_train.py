@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the CPU 
 import megatron_cpu  # noqa: F401  (before Megatron places anything)
 
 # isort: split
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -93,6 +94,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     random.seed(0)
+    np.random.seed(0)
     torch.manual_seed(0)
     model, optimizer = build(args.tp, args.fp32)
     ckpt = checkpointer_for(model, optimizer, args.dir)
