@@ -59,7 +59,9 @@ def checkpointer_for(
         path: the run's checkpoint folder (as for ``Checkpointer``).
         **checkpointer_args: any other ``Checkpointer`` keyword (``scheduler`` for
             Megatron's ``OptimizerParamScheduler``, ``dataloader``, ``extra``,
-            ``keep_last``, ``probe``, ``async_save``, ...).
+            ``keep_last``, ``probe``, ``async_save``, ...). A ``probe`` is called with
+            the Checkpointer's view of the model (its state, no forward): close over
+            your model instead, ``probe=lambda _: fixed_batch_loss(model)``.
     Returns:
         the Checkpointer, with components ``model``, ``optimizer`` and ``megatron_rng``
         as described in this module's docstring.
