@@ -83,7 +83,9 @@ def test_resumes_bit_exact(runs, run):
 
 def test_saves_whole_tensors_in_their_own_dtypes(runs):
     """A TP-split parameter is saved whole (TP=2 holds half of it per rank), bf16; its
-    fp32 main weight and Adam moments beside it in fp32, its step a scalar (F4, F5)."""
+    fp32 main weight and Adam moments beside it in fp32, its step a scalar (F4, F5). The
+    probe (a forward pass of the model given to checkpointer_for) is recorded by every
+    rank; the resumed run recomputed it after its restore (a mismatch fails that run)."""
     manifest = json.loads((runs["saved"] / f"step_{STEPS:08d}" / "manifest.json").read_text())
     tensors = manifest["tensors"]
     qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
@@ -95,6 +97,7 @@ def test_saves_whole_tensors_in_their_own_dtypes(runs):
         f"optimizer/state/{qkv}/exp_avg_sq": ([96, 32], "float32"),
         f"optimizer/state/{qkv}/step": ([], "float32"),
     }
+    assert len(manifest["probe"]["ranks"]) == 2
 
 
 def test_a_tp2_checkpoint_restores_at_tp1_as_saved(runs):

@@ -59,9 +59,8 @@ def checkpointer_for(
         path: the run's checkpoint folder (as for ``Checkpointer``).
         **checkpointer_args: any other ``Checkpointer`` keyword (``scheduler`` for
             Megatron's ``OptimizerParamScheduler``, ``dataloader``, ``extra``,
-            ``keep_last``, ``probe``, ``async_save``, ...). A ``probe`` is called with
-            the Checkpointer's view of the model (its state, no forward): close over
-            your model instead, ``probe=lambda _: fixed_batch_loss(model)``.
+            ``keep_last``, ``probe``, ``async_save``, ...); a ``probe`` is called with
+            ``model`` as given here.
     Returns:
         the Checkpointer, with components ``model``, ``optimizer`` and ``megatron_rng``
         as described in this module's docstring.
@@ -100,6 +99,10 @@ def checkpointer_for(
 
     extra[RNG_TRACKER] = RNGTrackerState(get_cuda_rng_tracker)
     extra[RNG_TRACKER].state_dict()  # refuses a tracker it cannot save, now
+    user_probe = checkpointer_args.pop("probe", None)
+    if user_probe is not None:
+        # The Checkpointer holds the view (state only): the probe gets the model given.
+        checkpointer_args["probe"] = lambda _view: user_probe(model)
     return Checkpointer(
         path,
         model=state,
