@@ -47,7 +47,7 @@ def test_every_integration_page_says_to_seed_the_script():
     page says the script must be seeded, and with which call."""
     calls = {"accelerate.md": "set_seed(0)", "lightning.md": "L.seed_everything(0)",
              "transformers.md": "transformers.set_seed(0)", "datasets.md": "torch.manual_seed(0)",
-             "trackers.md": "torch.manual_seed(0)",
+             "trackers.md": "torch.manual_seed(0)", "megatron.md": "torch.manual_seed(0)",
              "deepspeed.md": "torch.manual_seed(0)"}  # fmt: skip
     pages = sorted(p.name for p in DOCS.glob("*.md") if p.name != "compared.md")
     assert pages == sorted(calls), pages
@@ -91,6 +91,20 @@ def test_the_deepspeed_recipe_resumes_exactly_mid_epoch(tmp_path):
     script = write_recipe("deepspeed.md", "deepspeed", tmp_path)
     result = _resume_test(tmp_path, 45, sys.executable, str(script), "{dir}")
     assert result["passed"] and result["compared_steps"] > 0, result
+
+
+def test_the_megatron_recipe_resumes_exactly_on_two_data_parallel_ranks(tmp_path):
+    """Megatron-Core's GPT with its bf16 optimizer and LR scheduler, on two processes
+    (gloo), run unchanged under the test-only CPU shim (``tests/megatron_cpu.py``):
+    stopped at step 6, the losses after it and the final state equal the straight run's."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    script = write_recipe("megatron.md", "megatron", tmp_path)
+    launcher = Path(__file__).parent / "scripts" / "with_megatron_cpu.py"
+    result = _resume_test(
+        tmp_path, 6, sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc_per_node=2", str(launcher), str(script), "{dir}",
+    )  # fmt: skip
+    assert result["passed"] and result["compared_steps"] == 6, result
 
 
 class _Mesh:

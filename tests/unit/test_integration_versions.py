@@ -20,6 +20,8 @@ PAGES = {
     "accelerate": "docs/integrations/accelerate.md",
     "lightning": "docs/integrations/lightning.md",
     "transformers": "docs/integrations/transformers.md",
+    "megatron-core": "docs/integrations/megatron.md",
+    "deepspeed": "docs/integrations/deepspeed.md",
 }
 
 
@@ -36,7 +38,8 @@ def _pins() -> dict[str, str]:
 
 
 @pytest.mark.parametrize("name", ["accelerate", "lightning", "transformers", "datasets",
-                                  "tensorboard", "wandb", "torchdata"])  # fmt: skip
+                                  "tensorboard", "wandb", "torchdata", "megatron-core",
+                                  "deepspeed"])  # fmt: skip
 def test_ci_installs_exactly_the_pinned_version(name):
     pins = _pins()
     assert name in pins, f"pyproject's dev extra does not pin {name} exactly"

@@ -1,0 +1,137 @@
+"""``unbroken.integrations.megatron`` on Megatron-Core 0.16: a tiny GPT (Megatron's DDP, its
+bf16 mixed-precision or fp32 optimizer) resumed bit for bit at DP=2 and at TP=2, a TP=2
+checkpoint restored at TP=1 exactly as saved, and what is refused.
+
+Megatron-Core needs CUDA; these run on the CPU through ``tests/megatron_cpu.py``, a
+test-only shim the scripts import first. Eight launches in all, in one module fixture:
+two resume tests of three runs each (the straight and the stopped run side by side), one
+restore on one process, one refusal check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra: megatron)")
+
+import unbroken as ub
+from unbroken.testing import resume_test
+
+pytestmark = pytest.mark.e2e
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).parent / "scripts"
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONWARNINGS": "ignore",
+    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+}
+STOP_AT, STEPS = 3, 6
+
+
+def _torchrun(nproc: int, script: str, *args: str) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", str(SCRIPTS / script), *args,
+    ]  # fmt: skip
+
+
+def _resume(workdir: Path, *args: str):
+    command = _torchrun(2, "megatron_train.py", "{dir}", "--steps", str(STEPS), *args)
+    return resume_test(command, stop_at=STOP_AT, workdir=workdir, env=ENV, timeout=300, plot=False)
+
+
+def _launch(*command: str) -> None:
+    done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The resume tests (DP=2 fp32, TP=2 bf16), the TP=2 run's last checkpoint restored
+    on one process (TP=1) and saved again, and the refusals."""
+    tmp = tmp_path_factory.mktemp("megatron")
+    out = {"dp2": _resume(tmp / "dp2", "--fp32"), "tp2": _resume(tmp / "tp2", "--tp", "2")}
+    saved = Path(out["tp2"].straight_dir)
+    resaved = tmp / "tp1"
+    _launch(*_torchrun(1, "megatron_train.py", str(saved), "--resave", str(resaved)))
+    out["tp1_report"] = json.loads((resaved / "report.json").read_text())
+    out["tp1_diff"] = ub.diff_checkpoints(saved, resaved, full=True, ignore={"rng"})
+    out["saved"] = saved
+    refusals = tmp / "refusals"
+    refusals.mkdir()
+    _launch(*_torchrun(2, "megatron_refusals.py", str(refusals)))
+    out["refusals"] = json.loads((refusals / "refusals.json").read_text())
+    return out
+
+
+@pytest.mark.parametrize("run", ["dp2", "tp2"])
+def test_resumes_bit_exact(runs, run):
+    """DP=2 with Megatron's FP32Optimizer, TP=2 with its bf16 mixed-precision optimizer:
+    every loss after the stop and the whole final state are bit-identical."""
+    result = runs[run]
+    assert result.verdict == "IDENTICAL", result.report_path
+    assert result.exact and result.compared_steps == STEPS - STOP_AT
+    assert not result.state_differences
+
+
+def test_saves_whole_tensors_in_their_own_dtypes(runs):
+    """A TP-split parameter is saved whole (TP=2 holds half of it per rank), bf16; its
+    fp32 main weight and Adam moments beside it in fp32, its step a scalar (F4, F5). The
+    probe (a forward pass of the model given to checkpointer_for) is recorded by every
+    rank; the resumed run recomputed it after its restore (a mismatch fails that run)."""
+    manifest = json.loads((runs["saved"] / f"step_{STEPS:08d}" / "manifest.json").read_text())
+    tensors = manifest["tensors"]
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    shape_dtype = {k: (v["shape"], v["dtype"]) for k, v in tensors.items() if qkv in k}
+    assert shape_dtype == {
+        f"model/{qkv}": ([96, 32], "bfloat16"),
+        f"optimizer/state/{qkv}/main_param": ([96, 32], "float32"),
+        f"optimizer/state/{qkv}/exp_avg": ([96, 32], "float32"),
+        f"optimizer/state/{qkv}/exp_avg_sq": ([96, 32], "float32"),
+        f"optimizer/state/{qkv}/step": ([], "float32"),
+    }
+    assert len(manifest["probe"]["ranks"]) == 2
+
+
+def test_a_tp2_checkpoint_restores_at_tp1_as_saved(runs):
+    """Restored on one process (TP=1), verified, and saved again: every model and optimizer
+    tensor (main weights included) equals the TP=2 save, read back bit for bit."""
+    report = runs["tp1_report"]
+    restore = {k: report[k] for k in ("step", "restored", "verified", "resharded")}
+    assert restore == {"step": STEPS, "restored": True, "verified": True, "resharded": True}
+    assert (report["saved_world_size"], report["world_size"]) == (2, 1)
+    diff = runs["tp1_diff"]
+    assert diff.identical, [t.key for t in diff.tensors if t.status != "equal"]
+    keys = [t.key for t in diff.tensors]
+    assert any(k.endswith("linear_qkv.weight/main_param") for k in keys), keys[:5]
+
+
+def test_a_reset_optimizer_starts_each_main_weight_from_the_restored_weight(runs):
+    """Restored into a fresh model with ``reset={"optimizer"}``: every fp32 main weight
+    equals its restored bf16 weight, not the fresh model's initial one (F4: the copy the
+    optimizer steps must hold what was restored before the first step)."""
+    report = runs["tp1_report"]
+    assert report["reset_verified"] and report["mains"] == 29
+    assert report["mains_from_restored"]
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [
+        ("distributed_optimizer", "use_distributed_optimizer=False"),
+        ("torch_optimizer", "AdamW object"),
+        ("two_chunks", "list of 2 model chunks"),
+        ("gated_linear_unit", "decoder.layers.0.mlp.linear_fc1.weight is a gated linear unit"),
+        ("other_model", "not one of GPTModel's"),
+    ],
+)
+def test_what_cannot_be_saved_exactly_is_refused(runs, case, says):
+    assert runs["refusals"]["accepted"] is None
+    assert says in (runs["refusals"][case] or ""), runs["refusals"][case]
