@@ -37,6 +37,8 @@ install: $(STAMP)
 # They are built once per venv here, into TORCH_EXTENSIONS_DIR under the venv (the tests
 # use that folder), so no test waits for a compiler. A build killed midway leaves a
 # `lock` file that makes every later build wait forever: cleared first.
+VENV_PY ?= $(PY)
+VENV_DIR ?= $(VENV)
 ops:
 	find $(VENV_DIR)/torch_extensions -name lock -delete 2>/dev/null || true
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV_DIR))/torch_extensions $(VENV_PY) -c "from deepspeed.accelerator import get_accelerator as a; [a().create_op_builder(n).load(verbose=False) for n in ('ShareMemCommBuilder', 'FusedAdamBuilder')]"

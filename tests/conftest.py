@@ -28,8 +28,9 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_ex
 HEAVY_FIRST = [
     "tests/integrations/test_accelerate_exit.py",  # 242 s
     "tests/integrations/test_megatron.py",  # ~250 s alone (not yet from a full run)
+    "tests/integrations/test_deepspeed.py",  # ~250 s alone (not yet from a full run)
     "tests/e2e/test_harness.py",  # 196 s
-    "tests/distributed/test_nd_resume_test.py",  # 195 s
+    "tests/distributed/test_nd_resume_test.py",  # 195 s (9 launches then; 3 now)
     "tests/cli/test_resume_test.py",  # 169 s
     "tests/e2e/test_bench_smoke.py",  # 166 s
     "tests/integrations/test_lightning_fsdp.py",  # 158 s
@@ -38,6 +39,7 @@ HEAVY_FIRST = [
     "tests/integrations/test_docs_recipes.py",  # 145 s
     "tests/integrations/test_accelerate_fsdp.py",  # 128 s
     "tests/integrations/test_megatron_own.py",  # ~75-115 s alone (not yet from a full run)
+    "tests/integrations/test_deepspeed_import.py",  # ~50-130 s alone (not yet from a full run)
     "tests/integrations/test_lightning.py",  # 110 s
     "tests/distributed/test_agreement_rounds.py",  # 98 s
     "tests/e2e/test_demo.py",  # 85 s

@@ -83,7 +83,7 @@ def resharded(resumed: dict, tmp_path_factory: pytest.TempPathFactory) -> dict:
         shutil.rmtree(folder / "step_00000008")  # restore step 4, then train on from it
         log = work / "run.log"
         with open(log, "w") as f:
-            done = subprocess.run(command(processes, options, str(folder), steps=6),
+            done = subprocess.run([*command(processes, options, str(folder), steps=6), "--new-world"],
                                   stdout=f, stderr=subprocess.STDOUT, timeout=TIMEOUT,
                                   env={**os.environ, **ENV})  # fmt: skip
         assert done.returncode == 0, log.read_text()[-4000:]
@@ -122,19 +122,26 @@ def test_restores_onto_another_world_size_and_stage(resharded: dict, name: str) 
 
 
 def test_muon_momentum_keeps_its_dtype(resumed: dict) -> None:
-    """F5 (seed 004): under bf16, ZeRO-1 keeps Muon's momentum in bf16 beside fp32 Adam
-    moments, ZeRO-3 in fp32; each checkpoint records it in its own dtype."""
+    """F5 (seed 004): under bf16, DeepSpeed keeps Muon's momentum in the gradients' dtype
+    (bf16 here, at ZeRO-1 and ZeRO-3 alike with torch's AdamW beside it) next to fp32
+    Adam moments and fp32 masters; each checkpoint records every state tensor in the dtype
+    the engine held it in, not the parameter's or fp32."""
     from unbroken.tools.inspection import inspect_checkpoint
 
-    for name, momentum, moments in (
-        ("zero1-muon-bf16-2", "bfloat16", "float32"),
-        ("zero3-muon-bf16-2", "float32", "float32"),
-    ):
-        report = inspect_checkpoint(str(resumed[name][0] / "resumed"), step=8)
+    for name in ("zero1-muon-bf16-2", "zero3-muon-bf16-2"):
+        work = resumed[name][0]
+        live = {
+            k.split("/", 1)[1]: str(v.dtype).removeprefix("torch.")
+            for k, v in _dump(work / "straight.dump.8").items()
+            if k.startswith("live_dtype/")
+        }
+        assert live["momentum_buffer"] == "bfloat16" and live["exp_avg"] == "float32", live
+        report = inspect_checkpoint(str(work / "straight"), step=8)
         dtypes = {t.key: t.dtype for t in report.tensors}
-        assert dtypes["optimizer/state/hidden.weight/momentum_buffer"] == momentum, name
-        assert dtypes["optimizer/state/hidden.bias/exp_avg"] == moments, name
-        assert dtypes["optimizer/state/hidden.weight/fp32_master"] == "float32", name
+        state = "optimizer/state"
+        assert dtypes[f"{state}/hidden.weight/momentum_buffer"] == live["momentum_buffer"], name
+        assert dtypes[f"{state}/hidden.bias/exp_avg"] == live["exp_avg"], name
+        assert dtypes[f"{state}/hidden.weight/fp32_master"] == "float32", name
         assert dtypes["model/hidden.weight"] == "bfloat16", name
 
 

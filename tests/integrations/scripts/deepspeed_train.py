@@ -105,7 +105,8 @@ def main(args: argparse.Namespace) -> None:
         loader.load_state_dict(client["loader"])
         torch.set_rng_state(client["rng"])
     else:
-        start = ckpt.restore().step
+        # onto another world size the per-rank state (RNG, data position) cannot map
+        start = ckpt.restore(reset={"rng", "dataloader"} if args.new_world else None).step
         if args.dump and start:
             dump(engine, f"{args.dump}.restored", rank)
     dtype = torch.bfloat16 if args.bf16 else torch.float32
@@ -173,6 +174,11 @@ def dump(engine, path: str, rank: int) -> None:
             keys = ("exp_avg", "exp_avg_sq")
         for key in keys:
             out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key)
+    inner = getattr(engine.optimizer, "optimizer", None)
+    for state in getattr(inner, "state", {}).values():  # the dtypes DeepSpeed keeps its state in
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim():
+                out[f"live_dtype/{key}"] = torch.empty(0, dtype=value.dtype)
     if rank == 0:
         torch.save(out, path)
 
@@ -187,6 +193,11 @@ if __name__ == "__main__":
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--own", default=None)
     parser.add_argument("--own-load", action="store_true")
+    parser.add_argument(
+        "--new-world",
+        action="store_true",
+        help="restore onto another world size (RNG, data position start fresh)",
+    )
     parser.add_argument("--dump", default=None, help="DeepSpeed's own view at saves/restore")
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(name, value)
