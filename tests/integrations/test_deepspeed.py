@@ -41,6 +41,8 @@ CASES = {
     "zero1-muon-bf16-2": (2, ["--stage", "1", "--opt", "muon", "--bf16"]),
     "zero3-muon-bf16-2": (2, ["--stage", "3", "--opt", "muon", "--bf16"]),
     "zero2-torch-fp32-1": (1, ["--stage", "2", "--opt", "torch"]),
+    # stage 0 in fp32: the engine's optimizer is the torch AdamW itself
+    "zero0-torch-fp32-1": (1, ["--stage", "0", "--opt", "torch"]),
 }
 # name -> (source case, processes, options of the restoring run): the source's straight
 # run's step 4 restored there, then two more steps trained.
@@ -187,6 +189,7 @@ def _refusals(rank: int, world: int, folder: str) -> dict[str, str]:
             )
         ),
         "muon_fused_adam": refusal(lambda: engine({}, "Muon")),
+        "stage0_bf16": refusal(lambda: engine({"bf16": {"enabled": True}}, stage=0)),
         "model_given": "",
     }
     try:
@@ -219,6 +222,7 @@ def test_what_cannot_be_captured_exactly_is_refused_by_name(tmp_path: Path) -> N
     assert "torch.optim.rmsprop.RMSprop" in found["rmsprop"], found
     assert "FusedAdam" in found["fused_adam"] and "torch_adam" in found["fused_adam"], found
     assert "offload" in found["offload"], found
+    assert "FP16_UnfusedOptimizer" in found["stage0_bf16"], found  # stage 0's bf16 wrapper
     # FusedAdam on the CPU keeps beta**step in its C++ object: a resume differs in the last bit
     assert "FusedAdam" in found["muon_fused_adam"], found
     assert '"torch_adam": true' in found["muon_fused_adam"], found

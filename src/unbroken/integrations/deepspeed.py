@@ -22,9 +22,11 @@ What it saves, by component name (``docs/integrations/deepspeed.md``):
 - ``rng`` and whatever ``dataloader`` / ``extra`` you pass, as with any Checkpointer.
 
 Refused at construction, naming what and what to do: fp16 (its dynamic loss scaler is not
-captured), offloaded optimizer state or parameters, and an optimizer class whose state
-layout is not known to be captured whole (DeepSpeed's ``FusedAdam``/``DeepSpeedCPUAdam``:
-use ``"torch_adam": true`` or a torch optimizer).
+captured), stage 0 with bf16 (DeepSpeed's ``FP16_UnfusedOptimizer``), offloaded optimizer
+state or parameters, an optimizer class whose state layout is not known to be captured
+whole (DeepSpeed's ``FusedAdam``/``DeepSpeedCPUAdam``: use ``"torch_adam": true`` or a
+torch optimizer), and Muon's auxiliary FusedAdam on the CPU (its bias-correction powers
+live in its C++ object).
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def checkpointer_for(
     """A :class:`unbroken.Checkpointer` over ``engine`` (``deepspeed.initialize``'s engine).
 
     Args:
-        engine: a ``DeepSpeedEngine`` at ZeRO stage 0, 1, 2 or 3, bf16 or fp32.
+        engine: a ``DeepSpeedEngine`` at ZeRO stage 1, 2 or 3 (bf16 or fp32), or stage 0
+            in fp32.
         path: the checkpoint folder (local path or fsspec URL), as for ``Checkpointer``.
         **checkpointer_args: any other ``Checkpointer`` argument (``dataloader``,
             ``extra``, ``keep_last``, ``async_save``...); ``model`` and ``optimizer``

@@ -123,7 +123,8 @@ def main(args: argparse.Namespace) -> None:
         engine.backward(loss)
         engine.step()
         step += 1
-        ckpt.track(step, loss=loss.detach(), grad_norm=engine.get_global_grad_norm())
+        norm = engine.get_global_grad_norm()  # None where the engine keeps none (stage 0)
+        ckpt.track(step, loss=loss.detach(), **({} if norm is None else {"grad_norm": norm}))
         stop = ckpt.should_stop(step)
         if stop or step % args.every == 0 or step == args.steps:
             ckpt.save(step)
