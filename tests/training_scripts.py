@@ -131,6 +131,18 @@ def end_process() -> None:
         )
 
 
+def single_process_env() -> None:
+    """The launcher's variables for a script run as one process without torchrun (a free
+    port for the rendezvous); torchrun's own are kept."""
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(name, value)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        from processes import free_port
+
+        os.environ["MASTER_PORT"] = str(free_port())
+
+
 def end_deepspeed_process() -> None:
     """:func:`end_process` for a DeepSpeed script: its module-level objects keep the
     process groups alive, so after the last barrier the process exits without

@@ -381,31 +381,23 @@ class ZeroOptimizerView(torch.optim.Optimizer):
             return target
         if isinstance(first, torch.Tensor) and first.dim():  # Muon's momentum, stages 1-2
             pieces = [by_param[s.param][key].reshape(-1) for s in layout.touching(g, layout.rank)]
-            whole = torch.cat(pieces) if pieces else first.new_zeros(0)
-            if (
-                isinstance(live, torch.Tensor)
-                and live.shape == whole.shape
-                and live.dtype == whole.dtype
-            ):
-                live.copy_(whole)
-                return live
-            return whole.clone()
+            return _into(live, torch.cat(pieces) if pieces else first.new_zeros(0))
         for other in values[1:]:
             if not _same_value(first, other):
                 raise StateMismatchError(
                     f"DeepSpeed optimizer group {g}: {key!r} differs between parameters of the "
                     "group in the checkpoint; ZeRO keeps one per group"
                 )
-        if isinstance(first, torch.Tensor):
-            if (
-                isinstance(live, torch.Tensor)
-                and live.shape == first.shape
-                and live.dtype == first.dtype
-            ):
-                live.copy_(first)
-                return live
-            return first.clone()
-        return first
+        return _into(live, first) if isinstance(first, torch.Tensor) else first
+
+
+def _into(live: Any, value: torch.Tensor) -> torch.Tensor:
+    """``value`` copied into the live tensor where it has the same shape and dtype (whoever
+    else holds that tensor sees the restored value), else a copy of its own."""
+    if isinstance(live, torch.Tensor) and live.shape == value.shape and live.dtype == value.dtype:
+        live.copy_(value)
+        return live
+    return value.clone()
 
 
 def _hyper(group: Mapping[str, Any]) -> dict[str, Any]:

@@ -69,12 +69,6 @@ if __name__ == "__main__":
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--dump", required=True)
     parser.add_argument("--out", required=True)
-    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(name, value)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        from processes import free_port
-
-        os.environ["MASTER_PORT"] = str(free_port())
+    training_scripts.single_process_env()
     main(parser.parse_args())
     training_scripts.end_deepspeed_process()

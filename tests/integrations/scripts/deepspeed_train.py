@@ -200,13 +200,7 @@ if __name__ == "__main__":
         help="restore onto another world size (RNG, data position start fresh)",
     )
     parser.add_argument("--dump", default=None, help="DeepSpeed's own view at saves/restore")
-    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(name, value)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        from processes import free_port
-
-        os.environ["MASTER_PORT"] = str(free_port())
+    training_scripts.single_process_env()
     main(parser.parse_args())
     # DeepSpeed keeps its process groups in module-level objects (deepspeed.comm's
     # backend, deepspeed.utils.groups), so they outlive destroy_process_group() and a
