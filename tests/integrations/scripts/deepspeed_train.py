@@ -11,7 +11,8 @@ DistributedSampler (its position saved per rank); ``--own DIR`` also saves DeepS
 own checkpoint at each save (for the comparison with DeepSpeed's round trip), and
 ``--own-load`` resumes from it instead of unbroken. ``--dump PREFIX``: rank 0 writes the
 whole state as DeepSpeed's own API gathers it at each save (``PREFIX.STEP``) and after a
-restore (``PREFIX.restored``), for the tests to compare across layouts.
+restore (``PREFIX.restored``), for the tests to compare across layouts, and beside each
+the dtypes the engine keeps its optimizer state in (``PREFIX.STEP.dtypes``).
 """
 
 from __future__ import annotations
@@ -176,12 +177,14 @@ def dump(engine, path: str, rank: int) -> None:
         for key in keys:
             out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key)
     inner = getattr(engine.optimizer, "optimizer", None)
-    for state in getattr(inner, "state", {}).values():  # the dtypes DeepSpeed keeps its state in
+    dtypes = {}  # the dtypes DeepSpeed keeps its optimizer state in, beside: PATH.dtypes
+    for state in getattr(inner, "state", {}).values():
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim():
-                out[f"live_dtype/{key}"] = torch.empty(0, dtype=value.dtype)
+                dtypes[key] = str(value.dtype).removeprefix("torch.")
     if rank == 0:
         torch.save(out, path)
+        torch.save(dtypes, f"{path}.dtypes")
 
 
 if __name__ == "__main__":
