@@ -45,7 +45,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def _gather(local: torch.Tensor, group: Any, world: int) -> list[torch.Tensor]:
+def gather_bytes(local: torch.Tensor, group: Any, world: int) -> list[torch.Tensor]:
     """Every rank's ``local`` (same size and dtype everywhere), as bytes moved unchanged."""
     if world == 1:
         return [local.detach().reshape(-1)]
@@ -64,7 +64,7 @@ def _gather_uneven(local: torch.Tensor, group: Any, world: int) -> list[torch.Te
     longest = max(int(s) for s in sizes)
     padded = torch.zeros(longest, dtype=local.dtype)
     padded[: local.numel()] = local.detach().reshape(-1).cpu()
-    parts = _gather(padded, group, world)
+    parts = gather_bytes(padded, group, world)
     return [p[: int(n)] for p, n in zip(parts, sizes, strict=True)]
 
 
@@ -130,7 +130,7 @@ class ZeroLayout:
     def whole(self, g: int, local: torch.Tensor) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
         """Each parameter of group ``g`` whole, from every rank's ``local`` flat partition
         (a tensor shaped like the partition: the master weights or one state entry)."""
-        parts = _gather(local, self.group, self.world)
+        parts = gather_bytes(local, self.group, self.world)
         if self.stage3:
             for slot in self.slots[g]:
                 pieces = [part[slot.start : slot.start + slot.numel] for part in parts]

@@ -40,7 +40,7 @@ from torch import nn
 
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, StateMismatchError
-from ._deepspeed_zero import MASTER, MUON_MOMENTUM, ZeroLayout, _gather
+from ._deepspeed_zero import MASTER, MUON_MOMENTUM, ZeroLayout, gather_bytes
 
 __all__ = ["checkpointer_for"]
 
@@ -220,7 +220,7 @@ class Zero3Module(nn.Module):
         out: dict[str, Any] = {}
         for key, value in self.__dict__["_wrapped"].state_dict(keep_vars=True).items():
             if id(value) in names and hasattr(value, "ds_tensor"):
-                parts = _gather(value.ds_tensor, layout.group, layout.world)
+                parts = gather_bytes(value.ds_tensor, layout.group, layout.world)
                 whole = torch.cat(parts)[: value.ds_numel].reshape(value.ds_shape).clone()
                 out[key] = whole
             else:

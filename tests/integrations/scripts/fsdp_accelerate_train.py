@@ -30,6 +30,7 @@ i.e. ``fully_shard``), and ``clip_grad_norm_``/``accumulate`` their FSDP branche
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -43,6 +44,13 @@ from unbroken.integrations.accelerate import checkpointer_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: the scripts' helpers
 import training_scripts
+
+with contextlib.suppress(ImportError):  # before any process group exists: see below
+    import deepspeed  # noqa: F401
+# Accelerate imports DeepSpeed, where it is installed, while it prepares an FSDP2 model;
+# imported after init_process_group, DeepSpeed's package import keeps the default group
+# alive, and its gloo threads outlive destroy_process_group (training_scripts.end_process
+# refuses that). Imported first, it holds nothing.
 
 
 def fsdp_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
