@@ -136,8 +136,8 @@ def import_checkpoint(
             a PEFT adapter folder (``adapter_model.safetensors``,
             ``adapter_config.json``), or a DeepSpeed ZeRO 1-3 checkpoint folder
             (``engine.save_checkpoint``'s, or a tag folder in it), saved as
-            ``integrations.deepspeed.checkpointer_for`` saves. Its pickles are read safely: tensors, containers
-            and plain values only (``torch.load(weights_only=True)``; DCP's
+            ``integrations.deepspeed.checkpointer_for`` saves. Its pickles are read
+            safely: tensors, containers and plain values only (``torch.load(weights_only=True)``; DCP's
             ``.metadata`` through an unpickler that knows only its classes); safetensors
             files after their headers and index are checked against the files.
         dest: the run folder to save into (it must not hold this step already).
