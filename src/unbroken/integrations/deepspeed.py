@@ -216,10 +216,9 @@ class Zero3Module(nn.Module):
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         layout = self.__dict__["_layout"]
-        names = {id(p): n for n, p in self.named_parameters()}
         out: dict[str, Any] = {}
         for key, value in self.__dict__["_wrapped"].state_dict(keep_vars=True).items():
-            if id(value) in names and hasattr(value, "ds_tensor"):
+            if hasattr(value, "ds_tensor"):  # a partitioned parameter (buffers are whole)
                 parts = gather_bytes(value.ds_tensor, layout.group, layout.world)
                 whole = torch.cat(parts)[: value.ds_numel].reshape(value.ds_shape).clone()
                 out[key] = whole
