@@ -60,9 +60,12 @@ PYTEST := -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: lint
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) $(PYTEST)
 
-# The whole suite again on torch 2.14.1.
+# The suite again on torch 2.14.1, less the tests marked primary_torch (tests/conftest.py:
+# the deep framework-integration tests, whose documented recipes still run here, and the
+# smoke tests of tools only the primary venv runs).
 test-torch2.14: $(STAMP_NEXT)
-	TORCH_EXTENSIONS_DIR=$(abspath $(VENV_NEXT))/torch_extensions $(VENV_NEXT)/bin/python $(PYTEST)
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV_NEXT))/torch_extensions $(VENV_NEXT)/bin/python \
+		$(PYTEST) -m "not primary_torch"
 
 test-all: test test-torch2.14
 
@@ -97,13 +100,15 @@ bench: $(STAMP_BENCH)
 	$(PY) benchmarks/save_restore.py --batch 1 --write-docs --results docs/benchmarks.json
 
 # Reader/writer races for a minute (the suite runs them for a few seconds) and the other
-# concurrency and fault tests of docs/reliability.md: the verdict must be zero false
-# failures, whatever the timing. Prints each role's figures (race: {...}).
+# concurrency and fault tests of docs/reliability.md, and 20 two-process accelerate runs that
+# must each exit cleanly (the suite runs 5): the verdict must be zero false failures, whatever
+# the timing. Prints each role's figures (race: {...}).
 RACE_SECONDS ?= 60
 .PHONY: reliability
 reliability: $(STAMP)
-	UNBROKEN_RACE_SECONDS=$(RACE_SECONDS) $(PY) -m pytest -q -s \
+	UNBROKEN_RACE_SECONDS=$(RACE_SECONDS) UNBROKEN_EXIT_RUNS=20 $(PY) -m pytest -q -s \
 		tests/e2e/test_races.py tests/unit/test_concurrent_readers.py \
+		tests/integrations/test_accelerate_exit.py \
 		tests/cli/test_concurrent_readers.py tests/unit/test_resave_crash.py \
 		tests/unit/test_disk_full.py tests/unit/test_unreadable.py
 

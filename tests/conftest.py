@@ -66,11 +66,31 @@ HEAVY_FIRST = [
 ]
 
 
+# Marked `primary_torch`: run on the primary torch (2.13.0) only, which `make test-torch2.14`
+# leaves out (-m "not primary_torch"). The deep tests of each framework integration (pinned
+# framework versions; our code there reads the framework's objects, not torch's): the second
+# torch still runs every framework's documented recipe end to end (test_docs_recipes.py) and
+# the whole library suite (unit, cli, distributed, e2e). And the smoke tests of tools that
+# only the primary venv runs (`make demo`, `make bench`, the compared.md generator).
+PRIMARY_TORCH_ONLY = (
+    "tests/integrations/",
+    "tests/e2e/test_demo.py",
+    "tests/e2e/test_bench_smoke.py",
+    "tests/e2e/test_compared_smoke.py",
+)
+SECOND_TORCH_TOO = ("tests/integrations/test_docs_recipes.py",)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The heavy files first, heaviest first; every other file after them in the order
-    collected, and each file's tests in their own order (a stable sort)."""
+    collected, and each file's tests in their own order (a stable sort). Marks the tests
+    that run on the primary torch only."""
     rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        if path.startswith(PRIMARY_TORCH_ONLY) and not path.startswith(SECOND_TORCH_TOO):
+            item.add_marker(pytest.mark.primary_torch)
 
 
 class TinyNet(nn.Module):

@@ -16,8 +16,11 @@ tensors no one waited for. The Checkpointer now registers an exit hook
 every gloo worker thread is idle before the interpreter finalizes.
 
 The script is docs/integrations/accelerate.md's recipe as printed (it ends with
-``ckpt.close()`` and no teardown of its own), launched 20 times in a row; each run must
-exit 0 within its time bound, without an abort, its last save (step 10 of 12) committed.
+``ckpt.close()`` and no teardown of its own), launched several times in a row; each run
+must exit 0 within its time bound, without an abort, its last save (step 10 of 12)
+committed. The suite launches it 5 times (each launch is three processes, ~10 s on two
+cores); ``make reliability`` launches it 20 times (``UNBROKEN_EXIT_RUNS``), the count
+that showed the abort above.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from processes import accelerate_launch
 from .recipes import write_recipe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.distributed]
-RUNS = 20
+RUNS = int(os.environ.get("UNBROKEN_EXIT_RUNS", "5"))
 BOUND_S = 120  # one run takes 6-10 s on 2 idle cores
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
@@ -60,7 +63,7 @@ def _launch(script: Path, folder: Path) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(command, proc.returncode, out, None)
 
 
-def test_twenty_two_process_runs_in_a_row_exit_cleanly(tmp_path):
+def test_two_process_runs_in_a_row_exit_cleanly(tmp_path):
     script = write_recipe("accelerate.md", "accelerate", tmp_path)
     for i in range(1, RUNS + 1):
         folder = tmp_path / f"run{i:02d}"
