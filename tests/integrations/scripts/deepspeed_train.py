@@ -9,10 +9,13 @@ marked ``use_muon``). Widths of 13 split unevenly over 2 ranks, so ZeRO's partit
 cut parameters in the middle. The data is a StatefulDataLoader over a
 DistributedSampler (its position saved per rank); ``--own DIR`` also saves DeepSpeed's
 own checkpoint at each save (for the comparison with DeepSpeed's round trip), and
-``--own-load`` resumes from it instead of unbroken. ``--dump PREFIX``: rank 0 writes the
-whole state as DeepSpeed's own API gathers it at each save (``PREFIX.STEP``) and after a
-restore (``PREFIX.restored``), for the tests to compare across layouts, and beside each
-the dtypes the engine keeps its optimizer state in (``PREFIX.STEP.dtypes``).
+``--own-load`` resumes from it instead of unbroken; ``--universal DIR`` resumes instead
+from DIR, a universal checkpoint written by DeepSpeed's ``ds_to_universal`` (loaded with
+``"checkpoint": {"load_universal": true}``, DeepSpeed's path onto another world size and
+stage). ``--dump PREFIX``: rank 0 writes the whole state as DeepSpeed's own API gathers it
+at each save (``PREFIX.STEP``) and after a restore (``PREFIX.restored``), for the tests to
+compare across layouts, and beside each the dtypes the engine keeps its optimizer state in
+(``PREFIX.STEP.dtypes``) and its step counts (``PREFIX.STEP.steps``).
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def config(args: argparse.Namespace) -> dict:
         "bf16": {"enabled": args.bf16},
         "steps_per_print": 10**9,
     }
+    if args.universal:
+        cfg["checkpoint"] = {"load_universal": True}
     if args.opt == "adamw":
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 3e-3, "torch_adam": True}}
     elif args.opt == "muon":
@@ -105,6 +110,12 @@ def main(args: argparse.Namespace) -> None:
         start = client["step"]
         loader.load_state_dict(client["loader"])
         torch.set_rng_state(client["rng"])
+    elif args.universal:
+        # a universal folder is for another world size: RNG and data position start fresh
+        _, client = engine.load_checkpoint(args.universal)
+        start = client["step"]
+        if args.dump:
+            dump(engine, f"{args.dump}.restored", rank)
     else:
         # onto another world size the per-rank state (RNG, data position) cannot map
         start = ckpt.restore(reset={"rng", "dataloader"} if args.new_world else None).step
@@ -178,13 +189,19 @@ def dump(engine, path: str, rank: int) -> None:
             out[f"{key}/{name}"] = safe_get_full_optimizer_state(p, key)
     inner = getattr(engine.optimizer, "optimizer", None)
     dtypes = {}  # the dtypes DeepSpeed keeps its optimizer state in, beside: PATH.dtypes
+    # the step counts, beside: PATH.steps: the engine's, and each optimizer state's (None
+    # where it has none), read from the state (ZeRO-3 empties its groups between steps)
+    steps: dict = {"global_steps": engine.global_steps, "optimizer": []}
     for state in getattr(inner, "state", {}).values():
+        step = state.get("step")
+        steps["optimizer"].append(None if step is None else float(step))
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim():
                 dtypes[key] = str(value.dtype).removeprefix("torch.")
     if rank == 0:
         torch.save(out, path)
         torch.save(dtypes, f"{path}.dtypes")
+        torch.save(steps, f"{path}.steps")
 
 
 if __name__ == "__main__":
@@ -197,6 +214,7 @@ if __name__ == "__main__":
     parser.add_argument("--every", type=int, default=4)
     parser.add_argument("--own", default=None)
     parser.add_argument("--own-load", action="store_true")
+    parser.add_argument("--universal", default=None, help="a ds_to_universal folder to resume")
     parser.add_argument(
         "--new-world",
         action="store_true",
