@@ -40,6 +40,7 @@ HEAVY_FIRST = [
     "tests/integrations/test_accelerate_fsdp.py",  # 128 s
     "tests/integrations/test_megatron_own.py",  # ~75-115 s alone (not yet from a full run)
     "tests/integrations/test_deepspeed_import.py",  # ~50-130 s alone (not yet from a full run)
+    "tests/integrations/test_deepspeed_universal.py",  # 70-90 s alone (not yet from a full run)
     "tests/integrations/test_lightning.py",  # 110 s
     "tests/distributed/test_agreement_rounds.py",  # 98 s
     "tests/e2e/test_demo.py",  # 85 s
