@@ -61,8 +61,9 @@ test: lint
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) $(PYTEST)
 
 # The suite again on torch 2.14.1, less the tests marked primary_torch (tests/conftest.py:
-# the deep framework-integration tests, whose documented recipes still run here, and the
-# smoke tests of tools only the primary venv runs).
+# the deep framework-integration tests, whose documented recipes still run here, the
+# resume-test harness's own verdict tests, and the smoke tests of tools only the primary
+# venv runs).
 test-torch2.14: $(STAMP_NEXT)
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV_NEXT))/torch_extensions $(VENV_NEXT)/bin/python \
 		$(PYTEST) -m "not primary_torch"

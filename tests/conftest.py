@@ -71,10 +71,14 @@ HEAVY_FIRST = [
 # leaves out (-m "not primary_torch"). The deep tests of each framework integration (pinned
 # framework versions; our code there reads the framework's objects, not torch's): the second
 # torch still runs every framework's documented recipe end to end (test_docs_recipes.py) and
-# the whole library suite (unit, cli, distributed, e2e). And the smoke tests of tools that
-# only the primary venv runs (`make demo`, `make bench`, the compared.md generator).
+# the whole library suite (unit, cli, distributed, e2e). The resume-test harness's own
+# verdict and report logic (every other resume test still runs the harness on both). And
+# the smoke tests of tools that only the primary venv runs (`make demo`, `make bench`, the
+# compared.md generator).
 PRIMARY_TORCH_ONLY = (
     "tests/integrations/",
+    "tests/e2e/test_harness.py",
+    "tests/cli/test_resume_test.py",
     "tests/e2e/test_demo.py",
     "tests/e2e/test_bench_smoke.py",
     "tests/e2e/test_compared_smoke.py",
