@@ -172,6 +172,7 @@ def test_a_distributed_optimizer_checkpoint_restores_into_the_plain_one_and_back
         ("two_chunks", "list of 2 model chunks"),
         ("gated_linear_unit", "decoder.layers.0.mlp.linear_fc1.weight is a gated linear unit"),
         ("other_model", "not one of GPTModel's"),
+        ("other_model_distributed", "not one of the model chunk's"),
     ],
 )
 def test_what_cannot_be_saved_exactly_is_refused(runs, case, says):

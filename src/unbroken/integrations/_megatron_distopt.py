@@ -121,28 +121,6 @@ class DistOptLeaf:
         self._names = dict(names)
         self._group = leaf.data_parallel_group
         self._world = dist.get_world_size(self._group) if dist.is_initialized() else 1
-        self._pieces: dict[nn.Parameter, _Piece] = {}
-        pairs = [
-            (model, main, True)
-            for models, mains in zip(
-                leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups, strict=True
-            )
-            for model, main in zip(models, mains, strict=True)
-        ]
-        pairs += [
-            (model, shard, False)
-            for models, shards in zip(leaf.model_fp32_groups, leaf.shard_fp32_groups, strict=True)
-            for model, shard in zip(models, shards, strict=True)
-        ]
-        for model, stepped, has_main in pairs:
-            if model not in self._names:
-                raise ValueError(
-                    f"the optimizer steps a parameter (shape {tuple(model.shape)}) that is not "
-                    "one of the model chunk's: pass the model chunk the optimizer was built for"
-                )
-            ranges = leaf._get_model_param_range_map(model)
-            within, local = ranges["param"], ranges["gbuf_local"]
-            self._pieces[model] = _Piece(stepped, has_main, within.start, within.end, local.start)
         self._buckets = [
             _Bucket(
                 {
@@ -157,6 +135,33 @@ class DistOptLeaf:
             for buffer in leaf.buffers
             for index, bucket in enumerate(buffer.buckets)
         ]
+        # The buffers hold every parameter the optimizer steps, the same on every rank: a
+        # foreign one is refused by all ranks alike, before any collective.
+        for bucket in self._buckets:
+            for p in bucket.places:
+                if p not in self._names:
+                    raise ValueError(
+                        f"the optimizer steps a parameter (shape {tuple(p.shape)}) that is "
+                        "not one of the model chunk's: pass the model chunk the optimizer "
+                        "was built for"
+                    )
+        self._pieces: dict[nn.Parameter, _Piece] = {}
+        pairs = [
+            (model, main, True)
+            for models, mains in zip(
+                leaf.model_float16_groups, leaf.shard_fp32_from_float16_groups, strict=True
+            )
+            for model, main in zip(models, mains, strict=True)
+        ]
+        pairs += [
+            (model, shard, False)
+            for models, shards in zip(leaf.model_fp32_groups, leaf.shard_fp32_groups, strict=True)
+            for model, shard in zip(models, shards, strict=True)
+        ]
+        for model, stepped, has_main in pairs:
+            ranges = leaf._get_model_param_range_map(model)
+            within, local = ranges["param"], ranges["gbuf_local"]
+            self._pieces[model] = _Piece(stepped, has_main, within.start, within.end, local.start)
         self.params = [p for p in names if any(p in b.places for b in self._buckets)]
         self._groups = self._group_members()
 
@@ -252,7 +257,13 @@ class DistOptLeaf:
             p = by_name[name]
             agreed.shaped[p] = set(shaped)
             for key, dtype in shaped.items():
-                agreed.dtypes[key] = getattr(torch, dtype)
+                # One flat tensor per bucket and entry: one dtype for the entry throughout.
+                if agreed.dtypes.setdefault(key, getattr(torch, dtype)) != getattr(torch, dtype):
+                    raise ValueError(
+                        f"optimizer state {key!r} is {dtype} for {name} but "
+                        f"{agreed.dtypes[key]} for another parameter: it cannot be gathered "
+                        "in one dtype"
+                    )
             for key, (value, device) in small.items():
                 if device is not None and device != "cpu":
                     value = value.to(p.device)
@@ -322,19 +333,16 @@ class DistOptLeaf:
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two ranks' scalar entries (name -> (value, device type)) are the same."""
     if set(a) != set(b):
         return False
-    for key, x in a.items():
-        y = b[key]
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
-                return False
-            if x.dtype != y.dtype or not torch.equal(x, y):
+    for key, (x, x_device) in a.items():
+        y, y_device = b[key]
+        if x_device != y_device or isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.dtype != y.dtype or x.shape != y.shape or not torch.equal(x, y):
                 return False
         elif x != y:
             return False
     return True
-
-
-def _to(value: Any, device: torch.device | None) -> Any:
-    return value.to(device) if isinstance(value, torch.Tensor) and device is not None else value

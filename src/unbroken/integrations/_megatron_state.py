@@ -11,9 +11,11 @@ TP size. Parameters not split by TP stay plain tensors.
 restored ones in place (Megatron's DDP keeps parameters as views into its buffers).
 ``OptimizerState`` gives, per parameter, the torch optimizer's state (Adam's ``exp_avg``,
 ``exp_avg_sq``, ``step``) and, for a bf16/fp16 parameter, its fp32 main weight
-(``main_param``), each in its own dtype, and puts them back without torch's casts. Both
-weights are restored before the first step, and the Checkpointer's recapture after the
-install fingerprints both (DESIGN.md F4).
+(``main_param``), each in its own dtype, and puts them back without torch's casts. It sees
+each of Megatron's leaf optimizers through a ``LeafView``: ``PlainLeaf`` here (whole main
+weights), ``_megatron_distopt.DistOptLeaf`` for the ``DistributedOptimizer`` (each
+data-parallel rank a range of them). Both weights are restored before the first step, and
+the Checkpointer's recapture after the install fingerprints both (DESIGN.md F4).
 """
 
 from __future__ import annotations
@@ -61,9 +63,9 @@ class ModelState(nn.Module):
     parameter, gives and takes state with TP-split tensors as ``DTensor``s, and writes
     restored values into the live parameters in place. After a restore it also refreshes
     each parameter's fp32 main weight (through the leaf optimizers' views: the whole
-    weight, or this data-parallel rank's range of it) from the restored weight, so a restore with a reset optimizer
-    starts from the restored weights; a restored optimizer then overwrites it with the
-    saved fp32 value.
+    weight, or this data-parallel rank's range of it) from the restored weight, so a
+    restore with a reset optimizer starts from the restored weights; a restored optimizer
+    then overwrites it with the saved fp32 value.
     """
 
     def __init__(self, chunk: nn.Module, tp: TensorParallel, leaves: Sequence[LeafView]) -> None:

@@ -8,13 +8,17 @@ wrapped in Megatron's ``DistributedDataParallel``, and the optimizer from
   whole tensors sharded over the TP group, so a checkpoint restores at another TP size;
 - ``optimizer``: per parameter the torch optimizer's state (Adam's ``exp_avg``,
   ``exp_avg_sq``, ``step``) and the fp32 main weight (``main_param``) of a bf16/fp16
-  parameter, each in its own dtype, and any loss scaler's state;
+  parameter, each whole and in its own dtype, and any loss scaler's state; the same
+  whether Megatron's non-distributed optimizer holds them or its ``DistributedOptimizer``
+  (each data-parallel rank a range of them, gathered at save), so a checkpoint of either
+  restores into the other at any data-parallel size (DESIGN.md F3);
 - ``megatron_rng``: the generator states of Megatron's model-parallel RNG tracker (what
   its dropout draws from), per rank.
 
 Both weights are installed before the first step and fingerprinted again after the
 install (DESIGN.md F4). What cannot be captured exactly is refused when the Checkpointer
-is built, with what to do instead: Megatron's ``DistributedOptimizer``, pipeline
+is built, with what to do instead: a ``DistributedOptimizer`` that gathers weights in the
+background (``overlap_param_gather``) or keeps its state outside a torch optimizer, pipeline
 parallelism, more than one model chunk, mixture-of-experts, gated linear units split by
 TP, strided TP partitions. Tested with megatron-core 0.16.1 (``pip install
 "unbroken[megatron]"``); see docs/integrations/megatron.md.
@@ -66,8 +70,8 @@ def checkpointer_for(
             ``Float16Module``) around it, the bare ``MegatronModule``, or a list holding
             one of these (what Megatron's ``get_model`` returns).
         optimizer: what ``get_megatron_optimizer`` returned: a
-            ``Float16OptimizerWithFloat16Params``, an ``FP32Optimizer``, or a
-            ``ChainedOptimizer`` of them.
+            ``Float16OptimizerWithFloat16Params``, an ``FP32Optimizer``, a
+            ``DistributedOptimizer``, or a ``ChainedOptimizer`` of them.
         path: the run's checkpoint folder (as for ``Checkpointer``).
         **checkpointer_args: any other ``Checkpointer`` keyword (``scheduler`` for
             Megatron's ``OptimizerParamScheduler``, ``dataloader``, ``extra``,
@@ -80,7 +84,8 @@ def checkpointer_for(
         TypeError: the model or optimizer is of a kind this cannot save exactly (the
             message names it and says what to use instead).
         ValueError: a parallel layout this cannot save exactly (pipeline or expert
-            parallelism, gated linear units or strided partitions under TP), or
+            parallelism, gated linear units or strided partitions under TP, a
+            ``DistributedOptimizer`` with ``overlap_param_gather``), or
             ``checkpointer_args`` names ``model`` or ``optimizer``, or ``extra`` reuses
             ``megatron_rng``.
 

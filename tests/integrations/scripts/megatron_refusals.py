@@ -66,6 +66,9 @@ def main() -> None:
         "two_chunks": lambda: checkpointer_for([chunk, chunk], opt, str(folder / "c")),
         "gated_linear_unit": lambda: checkpointer_for(swiglu, opt, str(folder / "g")),
         "other_model": lambda: checkpointer_for(model()[1], opt, str(folder / "o")),
+        "other_model_distributed": lambda: checkpointer_for(
+            model()[1], wrapped(True)[1], str(folder / "od")
+        ),
     }
     out = {}
     for name, make in cases.items():
