@@ -159,8 +159,15 @@ class DistOptLeaf:
             for model, shard in zip(models, shards, strict=True)
         ]
         for model, stepped, has_main in pairs:
-            ranges = leaf._get_model_param_range_map(model)
+            buffer, dtypes, bucket = leaf.model_param_gbuf_map[model]
+            ranges = leaf.gbuf_ranges[buffer][dtypes][bucket]["param_map"][model]
             within, local = ranges["param"], ranges["gbuf_local"]
+            if stepped.numel() != within.end - within.start:
+                raise ValueError(
+                    f"the DistributedOptimizer's piece of {self._names[model]} holds "
+                    f"{stepped.numel()} elements, its range {within.end - within.start}: "
+                    "a layout this does not know (another megatron-core version?)"
+                )
             self._pieces[model] = _Piece(stepped, has_main, within.start, within.end, local.start)
         self.params = [p for p in names if any(p in b.places for b in self._buckets)]
         self._groups = self._group_members()
