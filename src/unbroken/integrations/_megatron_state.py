@@ -11,15 +11,17 @@ TP size. Parameters not split by TP stay plain tensors.
 restored ones in place (Megatron's DDP keeps parameters as views into its buffers).
 ``OptimizerState`` gives, per parameter, the torch optimizer's state (Adam's ``exp_avg``,
 ``exp_avg_sq``, ``step``) and, for a bf16/fp16 parameter, its fp32 main weight
-(``main_param``), each in its own dtype, and puts them back without torch's casts. Both
-weights are restored before the first step, and the Checkpointer's recapture after the
-install fingerprints both (DESIGN.md F4).
+(``main_param``), each in its own dtype, and puts them back without torch's casts. It sees
+each of Megatron's leaf optimizers through a ``LeafView``: ``PlainLeaf`` here (whole main
+weights), ``_megatron_distopt.DistOptLeaf`` for the ``DistributedOptimizer`` (each
+data-parallel rank a range of them). Both weights are restored before the first step, and
+the Checkpointer's recapture after the install fingerprints both (DESIGN.md F4).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -60,14 +62,15 @@ class ModelState(nn.Module):
     the chunk), yields a whole-tensor stand-in (a ``DTensor`` parameter) for each TP-split
     parameter, gives and takes state with TP-split tensors as ``DTensor``s, and writes
     restored values into the live parameters in place. After a restore it also refreshes
-    each parameter's fp32 main weight (``param.main_param``, set by Megatron's mixed
-    precision optimizer) from the restored weight, so a restore with a reset optimizer
-    starts from the restored weights; a restored optimizer then overwrites it with the
-    saved fp32 value.
+    each parameter's fp32 main weight (through the leaf optimizers' views: the whole
+    weight, or this data-parallel rank's range of it) from the restored weight, so a
+    restore with a reset optimizer starts from the restored weights; a restored optimizer
+    then overwrites it with the saved fp32 value.
     """
 
-    def __init__(self, chunk: nn.Module, tp: TensorParallel) -> None:
+    def __init__(self, chunk: nn.Module, tp: TensorParallel, leaves: Sequence[LeafView]) -> None:
         super().__init__()
+        self._leaves = list(leaves)
         # The chunk's own children and tensors under their names: FQNs resolve as in it.
         for name, child in chunk.named_children():
             self.add_module(name, child)
@@ -121,9 +124,8 @@ class ModelState(nn.Module):
                 if target is None:
                     continue
                 target.data.copy_(_local(value))
-                main = getattr(target, MAIN_PARAM, None)
-                if isinstance(main, torch.Tensor):
-                    main.data.copy_(target.data)
+                for leaf in self._leaves:
+                    leaf.refresh_main(target)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
@@ -132,24 +134,98 @@ def _non_persistent(chunk: nn.Module, name: str) -> set[str]:
     return set(owner._non_persistent_buffers_set)
 
 
-class _Slot:
-    """One parameter as the optimizer view sees it: the model (compute) parameter, the
-    parameter the torch optimizer steps (its fp32 main weight, or itself), and that
-    torch optimizer."""
+class LeafView(Protocol):
+    """One of Megatron's leaf optimizers seen per model parameter: :class:`PlainLeaf`
+    (``Float16OptimizerWithFloat16Params``, ``FP32Optimizer``) or
+    ``_megatron_distopt.DistOptLeaf`` (``DistributedOptimizer``). Values are this TP
+    rank's: shaped like the model parameter, or scalars."""
 
-    __slots__ = ("model", "stepped", "torch_optimizer")
-
-    def __init__(self, model: nn.Parameter, stepped: torch.Tensor, opt: torch.optim.Optimizer):
-        self.model, self.stepped, self.torch_optimizer = model, stepped, opt
+    torch_optimizer: torch.optim.Optimizer
 
     @property
-    def has_main(self) -> bool:
-        return self.stepped is not self.model
+    def grad_scaler(self) -> Any: ...
+
+    def groups(self) -> list[tuple[dict[str, Any], list[nn.Parameter]]]:
+        """Each torch param group (live: the LR scheduler sets its ``lr``) with the model
+        parameters it steps."""
+        ...
+
+    def state(self) -> dict[nn.Parameter, dict[str, Any]]:
+        """Per model parameter: its optimizer state and, if it has one, its fp32 main
+        weight under ``main_param`` (may be collective)."""
+        ...
+
+    def load(self, param: nn.Parameter, entry: dict[str, Any]) -> None:
+        """Install ``param``'s saved entry (as :meth:`state` gives it), as saved."""
+        ...
+
+    def refresh_main(self, param: nn.Parameter) -> None:
+        """Set ``param``'s main weight, if any, from its compute weight."""
+        ...
+
+
+class PlainLeaf:
+    """A non-distributed leaf optimizer: a ``Float16OptimizerWithFloat16Params`` (each
+    bf16/fp16 parameter stepped through a whole fp32 main weight) or an ``FP32Optimizer``
+    (parameters stepped as they are)."""
+
+    def __init__(self, leaf: Any) -> None:
+        self.leaf = leaf
+        self.torch_optimizer: torch.optim.Optimizer = leaf.optimizer
+        main_of = _model_params_of_mains(leaf)
+        self._stepped = {
+            main_of.get(p, p): p for group in leaf.optimizer.param_groups for p in group["params"]
+        }
+        self._model_of = {stepped: model for model, stepped in self._stepped.items()}
+
+    @property
+    def grad_scaler(self) -> Any:
+        return getattr(self.leaf, "grad_scaler", None)
+
+    def groups(self) -> list[tuple[dict[str, Any], list[nn.Parameter]]]:
+        return [
+            (group, [self._model(p) for p in group["params"]])
+            for group in self.torch_optimizer.param_groups
+        ]
+
+    def _model(self, stepped: torch.Tensor) -> nn.Parameter:
+        return self._model_of[stepped]
+
+    def state(self) -> dict[nn.Parameter, dict[str, Any]]:
+        out = {}
+        for model, stepped in self._stepped.items():
+            entry = dict(self.torch_optimizer.state.get(stepped, {}))
+            if stepped is not model:
+                entry[MAIN_PARAM] = stepped.detach()
+            out[model] = entry
+        return out
+
+    def load(self, param: nn.Parameter, entry: dict[str, Any]) -> None:
+        stepped = self._stepped[param]
+        entry = dict(entry)
+        main = entry.pop(MAIN_PARAM, None)
+        if stepped is not param:
+            if main is None:
+                raise KeyError(f"no {MAIN_PARAM!r} for a parameter of shape {tuple(param.shape)}")
+            with torch.no_grad():
+                stepped.data.copy_(main)
+        # Set as restored (no cast to the parameter's dtype, unlike torch's
+        # Optimizer.load_state_dict): DESIGN.md F5.
+        if entry:
+            self.torch_optimizer.state[stepped] = entry
+        else:
+            self.torch_optimizer.state.pop(stepped, None)
+
+    def refresh_main(self, param: nn.Parameter) -> None:
+        stepped = self._stepped.get(param)
+        if stepped is not None and stepped is not param:
+            with torch.no_grad():
+                stepped.data.copy_(param.data)
 
 
 class OptimizerState(torch.optim.Optimizer):
-    """Megatron's non-distributed optimizers (mixed precision or fp32, chained or not) as
-    one torch optimizer over the model's parameters (``ModelState``'s stand-ins).
+    """Megatron's optimizers (mixed precision, fp32 or distributed; chained or not) as one
+    torch optimizer over the model's parameters (``ModelState``'s stand-ins).
 
     Its ``param_groups`` are the torch optimizers' groups, in order, naming the model's
     parameters; ``state_dict()`` gives torch-format state per parameter, plus
@@ -158,7 +234,7 @@ class OptimizerState(torch.optim.Optimizer):
     ``step()``: train with Megatron's optimizer, save and restore through this.
     """
 
-    def __init__(self, leaves: list[Any], model: ModelState, tp: TensorParallel) -> None:
+    def __init__(self, leaves: list[LeafView], model: ModelState, tp: TensorParallel) -> None:
         # No Optimizer.__init__: the groups are Megatron's, read live (the LR scheduler
         # sets their lr every step).
         self.defaults: dict[str, Any] = {}
@@ -166,94 +242,71 @@ class OptimizerState(torch.optim.Optimizer):
         self._leaves = leaves
         self._model = model
         self._tp = tp
-        self._groups: list[tuple[dict[str, Any], list[_Slot]]] = []
-        for leaf in leaves:
-            main_of = _model_params_of_mains(leaf)
-            opt = leaf.optimizer
-            for group in opt.param_groups:
-                slots = [_Slot(main_of.get(p, p), p, opt) for p in group["params"]]
-                self._groups.append((group, slots))
-
-    def slots(self) -> Iterator[_Slot]:
-        for _, slots in self._groups:
-            yield from slots
 
     @property  # type: ignore[override]
     def param_groups(self) -> list[dict[str, Any]]:
         return [
-            {**_hyper(group), "params": [self._model.faces[s.model] for s in slots]}
-            for group, slots in self._groups
+            {**_hyper(group), "params": [self._model.faces[p] for p in params]}
+            for leaf in self._leaves
+            for group, params in leaf.groups()
         ]
 
     def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
         state: dict[int, dict[str, Any]] = {}
         groups = []
         index = 0
-        for group, slots in self._groups:
-            ids = []
-            for slot in slots:
-                entry = {
-                    k: self._whole(slot, k, v)
-                    for k, v in slot.torch_optimizer.state.get(slot.stepped, {}).items()
-                }
-                if slot.has_main:
-                    entry[MAIN_PARAM] = self._tp.whole(slot.model, slot.stepped.detach())
-                if entry:
-                    state[index] = entry
-                ids.append(index)
-                index += 1
-            groups.append({**_hyper(group), "params": ids})
+        for leaf in self._leaves:
+            held = leaf.state()
+            for group, params in leaf.groups():
+                ids = []
+                for p in params:
+                    entry = {k: self._whole(p, k, v) for k, v in held.get(p, {}).items()}
+                    if entry:
+                        state[index] = entry
+                    ids.append(index)
+                    index += 1
+                groups.append({**_hyper(group), "params": ids})
         out: dict[str, Any] = {"state": state, "param_groups": groups}
         scalers = {
             str(i): leaf.grad_scaler.state_dict()
             for i, leaf in enumerate(self._leaves)
-            if getattr(leaf, "grad_scaler", None) is not None
+            if leaf.grad_scaler is not None
         }
         if scalers:
             out[GRAD_SCALER] = scalers
         return out
 
-    def _whole(self, slot: _Slot, key: str, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor) or not self._tp.split(slot.model):
+    def _whole(self, param: nn.Parameter, key: str, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) or not self._tp.split(param):
             return value
-        if value.shape == slot.model.shape:
-            return self._tp.whole(slot.model, value)
+        if value.shape == param.shape:
+            return self._tp.whole(param, value)
         if value.dim() == 0:
             return value  # a count (``step``): the same on every TP rank
         raise ValueError(
             f"optimizer state {key!r} of a tensor-parallel parameter has shape "
-            f"{tuple(value.shape)}, neither the parameter's slice {tuple(slot.model.shape)} "
+            f"{tuple(value.shape)}, neither the parameter's slice {tuple(param.shape)} "
             "nor a scalar: its split across TP ranks is unknown, so it cannot be saved whole"
         )
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
         saved_state = state_dict["state"]
         index = 0
-        for (group, slots), saved_group in zip(
-            self._groups, state_dict["param_groups"], strict=True
-        ):
+        live = [pair for leaf in self._leaves for pair in leaf.groups()]
+        for (group, _), saved_group in zip(live, state_dict["param_groups"], strict=True):
             group.update(_hyper(saved_group))
-            for slot in slots:
-                entry = dict(saved_state.get(index, {}))
-                index += 1
-                main = entry.pop(MAIN_PARAM, None)
-                if slot.has_main:
-                    if main is None:
-                        raise KeyError(f"no {MAIN_PARAM!r} for parameter {index - 1}")
-                    with torch.no_grad():
-                        slot.stepped.data.copy_(_local(main))
-                # Set as restored (no cast to the parameter's dtype, unlike torch's
-                # Optimizer.load_state_dict): DESIGN.md F5.
-                values = {
-                    k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()
-                }
-                if values:
-                    slot.torch_optimizer.state[slot.stepped] = values
-                else:
-                    slot.torch_optimizer.state.pop(slot.stepped, None)
+        for leaf in self._leaves:
+            for _, params in leaf.groups():
+                for p in params:
+                    entry = saved_state.get(index, {})
+                    index += 1
+                    values = {
+                        k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()
+                    }
+                    leaf.load(p, values)
         scalers = state_dict.get(GRAD_SCALER, {})
         for i, leaf in enumerate(self._leaves):
-            scaler = getattr(leaf, "grad_scaler", None)
+            scaler = leaf.grad_scaler
             if scaler is not None and str(i) in scalers:
                 scaler.load_state_dict(dict(scalers[str(i)]))
 

@@ -8,13 +8,17 @@ wrapped in Megatron's ``DistributedDataParallel``, and the optimizer from
   whole tensors sharded over the TP group, so a checkpoint restores at another TP size;
 - ``optimizer``: per parameter the torch optimizer's state (Adam's ``exp_avg``,
   ``exp_avg_sq``, ``step``) and the fp32 main weight (``main_param``) of a bf16/fp16
-  parameter, each in its own dtype, and any loss scaler's state;
+  parameter, each whole and in its own dtype, and any loss scaler's state; the same
+  whether Megatron's non-distributed optimizer holds them or its ``DistributedOptimizer``
+  (each data-parallel rank a range of them, gathered at save), so a checkpoint of either
+  restores into the other at any data-parallel size (DESIGN.md F3);
 - ``megatron_rng``: the generator states of Megatron's model-parallel RNG tracker (what
   its dropout draws from), per rank.
 
 Both weights are installed before the first step and fingerprinted again after the
 install (DESIGN.md F4). What cannot be captured exactly is refused when the Checkpointer
-is built, with what to do instead: Megatron's ``DistributedOptimizer``, pipeline
+is built, with what to do instead: a ``DistributedOptimizer`` that gathers weights in the
+background (``overlap_param_gather``) or keeps its state outside a torch optimizer, pipeline
 parallelism, more than one model chunk, mixture-of-experts, gated linear units split by
 TP, strided TP partitions. Tested with megatron-core 0.16.1 (``pip install
 "unbroken[megatron]"``); see docs/integrations/megatron.md.
@@ -30,14 +34,26 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..checkpointer import Checkpointer
-from ._megatron_state import ModelState, OptimizerState, RNGTrackerState, TensorParallel
+from ._megatron_distopt import DistOptLeaf, check_distributed
+from ._megatron_state import (
+    LeafView,
+    ModelState,
+    OptimizerState,
+    PlainLeaf,
+    RNGTrackerState,
+    TensorParallel,
+)
 
 __all__ = ["checkpointer_for"]
 
 # The extra component holding Megatron's model-parallel RNG tracker.
 RNG_TRACKER = "megatron_rng"
 
-_SUPPORTED_OPTIMIZERS = ("Float16OptimizerWithFloat16Params", "FP32Optimizer")
+_SUPPORTED_OPTIMIZERS = (
+    "Float16OptimizerWithFloat16Params",
+    "FP32Optimizer",
+    "DistributedOptimizer",
+)
 
 
 def checkpointer_for(
@@ -54,8 +70,8 @@ def checkpointer_for(
             ``Float16Module``) around it, the bare ``MegatronModule``, or a list holding
             one of these (what Megatron's ``get_model`` returns).
         optimizer: what ``get_megatron_optimizer`` returned: a
-            ``Float16OptimizerWithFloat16Params``, an ``FP32Optimizer``, or a
-            ``ChainedOptimizer`` of them.
+            ``Float16OptimizerWithFloat16Params``, an ``FP32Optimizer``, a
+            ``DistributedOptimizer``, or a ``ChainedOptimizer`` of them.
         path: the run's checkpoint folder (as for ``Checkpointer``).
         **checkpointer_args: any other ``Checkpointer`` keyword (``scheduler`` for
             Megatron's ``OptimizerParamScheduler``, ``dataloader``, ``extra``,
@@ -68,7 +84,8 @@ def checkpointer_for(
         TypeError: the model or optimizer is of a kind this cannot save exactly (the
             message names it and says what to use instead).
         ValueError: a parallel layout this cannot save exactly (pipeline or expert
-            parallelism, gated linear units or strided partitions under TP), or
+            parallelism, gated linear units or strided partitions under TP, a
+            ``DistributedOptimizer`` with ``overlap_param_gather``), or
             ``checkpointer_args`` names ``model`` or ``optimizer``, or ``extra`` reuses
             ``megatron_rng``.
 
@@ -92,8 +109,8 @@ def checkpointer_for(
     chunk = _chunk(model)
     _check_layout(chunk)
     tp = TensorParallel(_tp_mesh(chunk))
-    state = ModelState(chunk, tp)
-    leaves = _leaves(optimizer)
+    leaves = _leaves(optimizer, chunk)
+    state = ModelState(chunk, tp, leaves)
     _check_optimizer_params(leaves, state, chunk)
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -192,8 +209,9 @@ def _tp_mesh(chunk: nn.Module) -> DeviceMesh | None:
     return DeviceMesh.from_group(group, device_type=device.type)
 
 
-def _leaves(optimizer: Any) -> list[Any]:
-    """The optimizers inside a ChainedOptimizer (or the one given), each checked."""
+def _leaves(optimizer: Any, chunk: nn.Module) -> list[LeafView]:
+    """The optimizers inside a ChainedOptimizer (or the one given), each checked and seen
+    per model parameter."""
     from megatron.core.optimizer import ChainedOptimizer
 
     leaves = (
@@ -201,40 +219,39 @@ def _leaves(optimizer: Any) -> list[Any]:
         if isinstance(optimizer, ChainedOptimizer)
         else [optimizer]
     )
+    views: list[LeafView] = []
     for i, leaf in enumerate(leaves):
         name = type(leaf).__name__
         where = "optimizer" if leaf is optimizer else f"optimizer.chained_optimizers[{i}]"
-        if name == "DistributedOptimizer":
-            raise TypeError(
-                f"{where} is Megatron's DistributedOptimizer, whose state is sharded across "
-                "data-parallel ranks in its own flat buffers; checkpointer_for does not map "
-                "it yet. Build the optimizer with use_distributed_optimizer=False"
-            )
         if name not in _SUPPORTED_OPTIMIZERS or getattr(leaf, "optimizer", None) is None:
             raise TypeError(
                 f"{where} is a {name} object; checkpointer_for saves Megatron's "
-                f"{' and '.join(_SUPPORTED_OPTIMIZERS)} (and a ChainedOptimizer of them), "
-                "as get_megatron_optimizer builds them without use_distributed_optimizer"
+                f"{', '.join(_SUPPORTED_OPTIMIZERS)} (and a ChainedOptimizer of them), "
+                "as get_megatron_optimizer builds them"
             )
+        if name == "DistributedOptimizer":
+            check_distributed(leaf, where)
         if not isinstance(leaf.optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"{where}.optimizer is a {type(leaf.optimizer).__name__}, not a torch "
                 "optimizer (Apex or Transformer Engine's fused Adam?): its state is not "
                 "torch's; install megatron-core without them, or use torch's Adam"
             )
-    return leaves
+        if name == "DistributedOptimizer":
+            names = {p: n for n, p in chunk.named_parameters()}
+            views.append(DistOptLeaf(leaf, names))
+        else:
+            views.append(PlainLeaf(leaf))
+    return views
 
 
-def _check_optimizer_params(leaves: list[Any], state: ModelState, chunk: nn.Module) -> None:
+def _check_optimizer_params(leaves: list[LeafView], state: ModelState, chunk: nn.Module) -> None:
     """Every parameter a leaf optimizer steps belongs to this model chunk."""
     known = set(state.faces)
     for leaf in leaves:
-        mains = {
-            id(main) for group in getattr(leaf, "fp32_from_float16_groups", ()) for main in group
-        }
-        for g, group in enumerate(leaf.optimizer.param_groups):
-            for j, p in enumerate(group["params"]):
-                if id(p) not in mains and p not in known:
+        for g, (_, params) in enumerate(leaf.groups()):
+            for j, p in enumerate(params):
+                if p not in known:
                     raise ValueError(
                         f"the optimizer steps a parameter (group {g}, position {j}, shape "
                         f"{tuple(p.shape)}) that is not one of {type(chunk).__name__}'s: pass "

@@ -33,9 +33,13 @@ def model(**config_args):
     return config, gpt
 
 
-def wrapped(distributed: bool = False):
+def wrapped(distributed: bool = False, overlap: bool = False):
     config, gpt = model()
-    ddp = DistributedDataParallelConfig(use_distributed_optimizer=distributed)
+    ddp = DistributedDataParallelConfig(
+        use_distributed_optimizer=distributed,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
+    )
     chunk = DistributedDataParallel(config, ddp, gpt)
     opt_config = OptimizerConfig(
         optimizer="adam", lr=1e-2, clip_grad=0.0, use_distributed_optimizer=distributed
@@ -52,13 +56,19 @@ def main() -> None:
     _, swiglu = model(gated_linear_unit=True)
     cases = {
         "accepted": lambda: checkpointer_for(chunk, opt, str(folder / "ok")),
-        "distributed_optimizer": lambda: checkpointer_for(*wrapped(True), str(folder / "d")),
+        "accepted_distributed": lambda: checkpointer_for(*wrapped(True), str(folder / "d")),
+        "overlap_param_gather": lambda: checkpointer_for(
+            *wrapped(True, overlap=True), str(folder / "p")
+        ),
         "torch_optimizer": lambda: checkpointer_for(
             chunk, torch.optim.AdamW(chunk.parameters()), str(folder / "t")
         ),
         "two_chunks": lambda: checkpointer_for([chunk, chunk], opt, str(folder / "c")),
         "gated_linear_unit": lambda: checkpointer_for(swiglu, opt, str(folder / "g")),
         "other_model": lambda: checkpointer_for(model()[1], opt, str(folder / "o")),
+        "other_model_distributed": lambda: checkpointer_for(
+            model()[1], wrapped(True)[1], str(folder / "od")
+        ),
     }
     out = {}
     for name, make in cases.items():

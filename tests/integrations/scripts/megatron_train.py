@@ -3,9 +3,11 @@
 
 Run under ``torchrun --standalone --nproc_per_node N``::
 
-    megatron_train.py DIR [--tp T] [--fp32] [--steps S] [--every E] [--resave DIR2]
+    megatron_train.py DIR [--tp T] [--fp32] [--distopt] [--steps S] [--every E] [--resave DIR2]
 
 Every data-parallel rank trains on its own rows; the loss tracked is the mean over them.
+``--distopt``: Megatron's DistributedOptimizer (main weights and Adam state sharded over
+the data-parallel ranks) instead of its non-distributed optimizer.
 ``--resave DIR2``: restore DIR's latest checkpoint, save what was installed into DIR2 at
 the same step; restore it again into a fresh model with ``reset={"optimizer"}``; write
 both restores' outcome to DIR2/report.json, and stop (no training).
@@ -46,7 +48,7 @@ def batch(step: int, dp_rank: int) -> torch.Tensor:
     return (starts[:, None] + torch.arange(SEQ + 1)[None, :]) % 11
 
 
-def build(tp: int, fp32: bool):
+def build(tp: int, fp32: bool, distopt: bool = False):
     dtype = torch.float32 if fp32 else torch.bfloat16
     config = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
@@ -59,10 +61,12 @@ def build(tp: int, fp32: bool):
     )  # fmt: skip
     if not fp32:
         model = Float16Module(config, model)  # bf16 throughout, as Megatron's get_model does
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-2, bf16=not fp32, clip_grad=0.0), [model]
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=distopt)
+    model = DistributedDataParallel(config, ddp, model)
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=1e-2, bf16=not fp32, clip_grad=0.0, use_distributed_optimizer=distopt
     )
+    optimizer = get_megatron_optimizer(opt_config, [model])
     return model, optimizer
 
 
@@ -94,6 +98,7 @@ def main() -> None:
     parser.add_argument("dir")
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--fp32", action="store_true")
+    parser.add_argument("--distopt", action="store_true")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--resave")
@@ -103,7 +108,7 @@ def main() -> None:
     random.seed(0)
     np.random.seed(0)
     torch.manual_seed(0)
-    model, optimizer = build(args.tp, args.fp32)
+    model, optimizer = build(args.tp, args.fp32, args.distopt)
     # At another TP size the forward sums in another order: the probe would differ.
     ckpt = checkpointer_for(model, optimizer, args.dir, probe=None if args.resave else probe)
     # Another world size: the per-rank RNG state does not map, and is not what is checked.
@@ -128,18 +133,39 @@ def resave(report, model, optimizer, args) -> None:
     again.close()
     fields = ("step", "restored", "verified", "resharded", "saved_world_size", "world_size")
     out = {f: getattr(report, f) for f in fields}
+    # Restored before any step: each compute weight must already be its main weight
+    # rounded to the compute dtype, not wait for the first step to be refreshed (F4).
+    pairs = mains_and_weights(model, optimizer)
+    out["compute_from_main"] = all(torch.equal(m.to(w.dtype), w) for m, w in pairs)
     # Restored into a fresh model with the optimizer reset: each fp32 main weight must
     # start from the restored compute weight, not from the fresh model's initial one.
-    model, optimizer = build(args.tp, args.fp32)
+    model, optimizer = build(args.tp, args.fp32, args.distopt)
     fresh = checkpointer_for(model, optimizer, args.dir)
     reset = fresh.restore(reset={"optimizer", "rng"})
-    params = [p for p in model.parameters() if hasattr(p, "main_param")]
+    pairs = mains_and_weights(model, optimizer)
     out["reset_verified"] = reset.verified
-    out["mains"] = len(params)
-    out["mains_from_restored"] = all(torch.equal(p.main_param, p.float()) for p in params)
+    out["mains"] = len(pairs)
+    out["mains_from_restored"] = all(torch.equal(m, w.float()) for m, w in pairs)
     if dist.get_rank() == 0:
         (Path(args.resave) / "report.json").write_text(json.dumps(out))
     dist.destroy_process_group()
+
+
+def mains_and_weights(model, optimizer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(fp32 main weight, the compute weight it stands for) of each bf16 parameter this
+    rank holds a main weight of: whole, or with the DistributedOptimizer the rank's range."""
+    leaf = getattr(optimizer, "chained_optimizers", [optimizer])[0]
+    out = []
+    for p in model.parameters():
+        main = getattr(p, "main_param", None)
+        if main is None:
+            continue
+        weight = p.detach()
+        if getattr(p, "main_param_sharded", False):
+            within = leaf._get_model_param_range_map(p)["param"]
+            weight = weight.reshape(-1)[within.start : within.end]
+        out.append((main, weight))
+    return out
 
 
 if __name__ == "__main__":
