@@ -309,7 +309,6 @@ SOURCES = {
                      "state_dict['optimizer']['state']['common_step'] = step"),
     "mc_step_load": ("megatron", "core/optimizer/optimizer.py",
                      "self._restore_common_per_param_step(state_dict[optimizer_key], common_step)"),
-    "mc_tracker": ("megatron", "core/tensor_parallel/random.py", "def get_states("),
 }  # fmt: skip
 
 
@@ -397,19 +396,24 @@ WHY = {
         "seeded at process start.",
     ),
     ("megatron", "own", ""): Why(
-        exact="The checkpoint holds what Megatron-LM's `save_checkpoint` puts in it: the "
-        "model's sharded state ({mc_model}), the optimizer's fp32 main weights ({mc_main}) "
-        "and Adam moments, Adam's step saved once as `common_step` ({mc_step_save}) and "
-        "copied back to every parameter on load ({mc_step_load}), the scheduler, the "
-        "iteration, and the RNG states. Those are one copy, data-parallel rank 0's, loaded "
-        "on every rank: right here, where both ranks draw the same numbers (one seed, the "
-        "same dropout shapes). The MLP's dropout draws from torch's CPU generator here; on "
-        "GPUs Megatron-LM also saves the CUDA generator and the states of Megatron's "
-        "model-parallel RNG tracker ({mc_tracker}).",
+        "the new loader iterator draws a seed from the RNG just restored: other dropout masks",
+        "The checkpoint holds what Megatron-LM's `save_checkpoint` puts in it: the model's "
+        "sharded state ({mc_model}), the optimizer's fp32 main weights ({mc_main}) and Adam "
+        "moments, Adam's step saved once as `common_step` ({mc_step_save}) and copied back "
+        "to every parameter on load ({mc_step_load}), the scheduler, the iteration, and the "
+        "RNG states (data-parallel rank 0's, loaded on every rank: right here, where both "
+        "ranks draw the same numbers). What differs is one draw: after the load the resumed "
+        "run starts a data-loader iterator, which takes its base seed from the global "
+        "generator ({torch_base_seed}), now in its step-K state; the straight run took that "
+        "number when the epoch began. The batches are the same, the dropout masks after the "
+        "resume are shifted by one draw. Measured: with a generator of its own for the "
+        "loader (`DataLoader(generator=torch.Generator())`) the same recipe comes out "
+        "identical, and so does a stop at the end of an epoch (`--quick`), where the "
+        "straight run starts a new iterator too.",
     ),
     ("megatron", "own", "no_rng"): Why(
         "no RNG state in the checkpoint: other dropout masks (same batches)",
-        "Megatron-core's `sharded_state_dict` methods hold the model ({mc_model}) and the "
+        "Megatron-Core's `sharded_state_dict` methods hold the model ({mc_model}) and the "
         "optimizer ({mc_main}, {mc_step_save}), no generator state: without the RNG states "
         "Megatron-LM adds (its `--no-save-rng`), the resumed run trains on the same batches "
         "(the skip is the script's, the sampler seeded by its epoch) with dropout masks "
@@ -537,8 +541,11 @@ def page(results: Results) -> str:
     """All of docs/integrations/compared.md."""
     size, refs = results.size, results.refs
     per_epoch = size["rows"] // BATCH_SIZE // ACCUMULATE
-    epoch, into = divmod(size["stop_at"], per_epoch)
-    where = f"{into} steps into epoch {epoch}" if into else f"at the end of epoch {epoch - 1}"
+
+    def where(steps_an_epoch: int) -> str:
+        epoch, into = divmod(size["stop_at"], steps_an_epoch)
+        return f"{into} steps into epoch {epoch}" if into else f"at the end of epoch {epoch - 1}"
+
     whys = []
     for r in results.rows:
         if r.kind == "own" or not r.identical:
@@ -556,13 +563,16 @@ def page(results: Results) -> str:
         "data shuffled every epoch, AdamW with a warm-up schedule, two micro-batches per "
         "optimizer step), resumed two ways: by the framework's own documented recipe and by "
         "unbroken's integration. For each, one run trains straight through; another is "
-        f"stopped at step K = {size['stop_at']} of {size['steps']} ({where}, epochs counted "
-        "from 0) right after its save, then resumed in a fresh process. Compared bit for bit: "
+        f"stopped at step K = {size['stop_at']} of {size['steps']} ({where(per_epoch)}, epochs "
+        "counted from 0) right after its save, then resumed in a fresh process. Compared bit "
+        "for bit: "
         "the final model and optimizer tensors, every logged loss, and the inputs each step "
         "trained on. Rows with a setting run the same script with another documented "
         "setting. Megatron-Core's script trains the same MLP as a Megatron model chunk in "
         "bf16 on two data-parallel processes (torchrun, gloo), on the CPU through the "
-        "test-only shim `tests/megatron_cpu.py` (Megatron-Core needs CUDA): not a GPU run.",
+        "test-only shim `tests/megatron_cpu.py` (Megatron-Core needs CUDA): not a GPU run. "
+        f"Its two ranks share each epoch's rows, so its epochs are {per_epoch // 2} steps "
+        f"(K is {where(per_epoch // 2)}).",
         "",
         summary_table(results),
         "",
