@@ -4,15 +4,19 @@ and resumed, compared bit for bit with one that never stopped.
     python benchmarks/compared.py                      # every framework: print the table
     python benchmarks/compared.py --write-docs         # and rewrite docs/integrations/compared.md
     python benchmarks/compared.py --only accelerate    # some frameworks only
+    python benchmarks/compared.py --only megatron --write-docs
+                                                       # its rows anew, the page's others kept
     python benchmarks/compared.py --quick --no-variants    # a smoke test: tiny data, few steps
     python benchmarks/compared.py --render docs/integrations/compared.md --write-docs
                                                        # the page again from its results
 
-One training script per framework (``compared/{accelerate,lightning,trainer,deepspeed}_run.py``),
-resumed by the framework's documented recipe (``--resume own``) or by unbroken's
-integration (``--resume unbroken``); per case three fresh processes: straight, stopped at
-step K, resumed; straight and resumed compared bit for bit (the page says how). Never
-asserts: it prints tables (a run that fails, or does not stop at K, is an error).
+One training script per framework (``compared/{accelerate,lightning,trainer,deepspeed,
+megatron}_run.py``), resumed by the framework's documented recipe (``--resume own``) or by
+unbroken's integration (``--resume unbroken``); per case three fresh processes: straight,
+stopped at step K, resumed; straight and resumed compared bit for bit (the page says how).
+Megatron-Core's script runs itself on two processes (torchrun) and on the CPU through the
+test-only shim ``tests/megatron_cpu.py``. Never asserts: it prints tables (a run that
+fails, or does not stop at K, is an error).
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ FRAMEWORKS = {  # the recipes themselves are described in the page, by hand
     "lightning": Framework("Lightning", "lightning_run.py", "lightning"),
     "transformers": Framework("HF Trainer", "trainer_run.py", "transformers"),
     "deepspeed": Framework("DeepSpeed", "deepspeed_run.py", "deepspeed"),
+    "megatron": Framework("Megatron-Core", "megatron_run.py", "megatron-core"),
 }
 
 
@@ -112,6 +117,7 @@ def cases(frameworks: list[str], size: Size, *, variants: bool) -> list[Case]:
         Case("transformers", "own", "logging", f"`logging_steps={size.logging}`", logging),
         Case("transformers", "unbroken", "logging", f"`logging_steps={size.logging}`",
              logging),
+        Case("megatron", "own", "no_rng", "`--no-save-rng`", ("--no-save-rng",)),
     ]  # fmt: skip
     out = []
     for name in (f for f in FRAMEWORKS if f in frameworks):
@@ -151,6 +157,9 @@ class Results:
     versions: dict
     refs: dict  # name -> "package/file.py:line" in the installed sources
     rows: list[Row]
+    # Later ``--only`` runs merged in (``merge``): per run its command, seconds,
+    # frameworks, date, and the versions that differ from ``versions``.
+    reruns: list[dict] = dataclasses.field(default_factory=list)
 
     @classmethod
     def read(cls, path: Path) -> Results:
@@ -158,6 +167,12 @@ class Results:
         text = path.read_text(encoding="utf-8")
         data = json.loads(text[text.index(RESULTS) + len(RESULTS) :].rsplit(" -->", 1)[0])
         return cls(**{**data, "rows": [Row(**r) for r in data["rows"]]})
+
+    @classmethod
+    def kept_in(cls, path: Path) -> Results | None:
+        """The results kept in ``path``; None where there is no such page."""
+        exists = path.is_file() and RESULTS in path.read_text(encoding="utf-8")
+        return cls.read(path) if exists else None
 
     def json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -287,6 +302,13 @@ SOURCES = {
     "tf_tr_loss": ("transformers", "trainer.py", "self._tr_loss = torch.tensor(0.0"),
     "tf_log": ("transformers", "trainer.py", 'logs["loss"] = tr_loss_scalar / ('),
     "ds_state": ("deepspeed", "runtime/engine.py", "def _common_checkpoint_state("),
+    "mc_model": ("megatron", "core/transformer/module.py", "def sharded_state_dict("),
+    "mc_main": ("megatron", "core/optimizer/optimizer.py",
+                "state_dict['fp32_from_fp16_params'] = ["),
+    "mc_step_save": ("megatron", "core/optimizer/optimizer.py",
+                     "state_dict['optimizer']['state']['common_step'] = step"),
+    "mc_step_load": ("megatron", "core/optimizer/optimizer.py",
+                     "self._restore_common_per_param_step(state_dict[optimizer_key], common_step)"),
 }  # fmt: skip
 
 
@@ -373,6 +395,30 @@ WHY = {
         "sampler seeded by its epoch), with dropout masks drawn from the generator as "
         "seeded at process start.",
     ),
+    ("megatron", "own", ""): Why(
+        "the new loader iterator draws a seed from the RNG just restored: other dropout masks",
+        "The checkpoint holds what Megatron-LM's `save_checkpoint` puts in it: the model's "
+        "sharded state ({mc_model}), the optimizer's fp32 main weights ({mc_main}) and Adam "
+        "moments, Adam's step saved once as `common_step` ({mc_step_save}) and copied back "
+        "to every parameter on load ({mc_step_load}), the scheduler, the iteration, and the "
+        "RNG states (data-parallel rank 0's, loaded on every rank: right here, where both "
+        "ranks draw the same numbers). What differs is one draw: after the load the resumed "
+        "run starts a data-loader iterator, which takes its base seed from the global "
+        "generator ({torch_base_seed}), now in its step-K state; the straight run took that "
+        "number when the epoch began. The batches are the same, the dropout masks after the "
+        "resume are shifted by one draw. Measured: with a generator of its own for the "
+        "loader (`DataLoader(generator=torch.Generator())`) the same recipe comes out "
+        "identical, and so does a stop at the end of an epoch (`--quick`), where the "
+        "straight run starts a new iterator too.",
+    ),
+    ("megatron", "own", "no_rng"): Why(
+        "no RNG state in the checkpoint: other dropout masks (same batches)",
+        "Megatron-Core's `sharded_state_dict` methods hold the model ({mc_model}) and the "
+        "optimizer ({mc_main}, {mc_step_save}), no generator state: without the RNG states "
+        "Megatron-LM adds (its `--no-save-rng`), the resumed run trains on the same batches "
+        "(the skip is the script's, the sampler seeded by its epoch) with dropout masks "
+        "drawn from the generator as seeded at process start.",
+    ),
 }
 UNEXPECTED = "unexpected: a bug in unbroken's integration (rerun with --workdir to keep the runs)"
 
@@ -442,6 +488,46 @@ def complete(results: Results) -> bool:
     return have == wanted and results.size == dataclasses.asdict(FULL)
 
 
+def merge(kept: Results, new: Results) -> Results:
+    """``kept`` with the rows of the frameworks ``new`` measured replaced by ``new``'s: what
+    ``--only NAME --write-docs`` writes into a page that already holds every framework.
+    ``kept``'s command, machine and versions stay the page's; ``new``'s run is listed
+    after it (with the versions that differ), replacing earlier reruns of the same
+    frameworks."""
+    if kept.size != new.size:
+        raise ValueError(f"the kept results are of another size ({kept.size}), not {new.size}")
+    measured = {r.framework for r in new.rows}
+    canonical = [(c.framework, c.kind, c.variant)
+                 for c in cases(list(FRAMEWORKS), Size(**new.size), variants=True)]  # fmt: skip
+
+    def order(row: Row) -> int:
+        key = (row.framework, row.kind, row.variant)
+        return canonical.index(key) if key in canonical else len(canonical)
+
+    rows = [r for r in kept.rows if r.framework not in measured] + new.rows
+    differing = {k: v for k, v in new.versions.items() if kept.versions.get(k, v) != v}
+    rerun = {"command": new.command, "seconds": new.seconds,
+             "frameworks": [f for f in FRAMEWORKS if f in measured],
+             "date": new.machine.get("date", ""), "versions": differing}  # fmt: skip
+    earlier = [r for r in kept.reruns if not set(r["frameworks"]) <= measured]
+    return dataclasses.replace(
+        kept, versions={**new.versions, **kept.versions}, refs=new.refs,
+        rows=sorted(rows, key=order), reruns=[*earlier, rerun],
+    )  # fmt: skip
+
+
+def generated(results: Results) -> str:
+    """Which command wrote the page, and which later ones replaced some of its rows."""
+    text = f"Generated by `{results.command}` in {results.seconds / 60:.1f} minutes"
+    for rerun in results.reruns:
+        titles = ", ".join(FRAMEWORKS[f].title for f in rerun["frameworks"])
+        changed = "; ".join(f"{k} {v}" for k, v in rerun["versions"].items())
+        text += (f"; the {titles} rows since by `{rerun['command']}` in "
+                 f"{rerun['seconds'] / 60:.1f} minutes ({rerun['date']}"
+                 + (f"; {changed}" if changed else "") + ")")  # fmt: skip
+    return text + "."
+
+
 def text_report(results: Results) -> str:
     size = results.size
     return "\n".join([
@@ -455,8 +541,11 @@ def page(results: Results) -> str:
     """All of docs/integrations/compared.md."""
     size, refs = results.size, results.refs
     per_epoch = size["rows"] // BATCH_SIZE // ACCUMULATE
-    epoch, into = divmod(size["stop_at"], per_epoch)
-    where = f"{into} steps into epoch {epoch}" if into else f"at the end of epoch {epoch - 1}"
+
+    def where(steps_an_epoch: int) -> str:
+        epoch, into = divmod(size["stop_at"], steps_an_epoch)
+        return f"{into} steps into epoch {epoch}" if into else f"at the end of epoch {epoch - 1}"
+
     whys = []
     for r in results.rows:
         if r.kind == "own" or not r.identical:
@@ -468,17 +557,22 @@ def page(results: Results) -> str:
         "# Resumed vs never stopped: each framework's own resume and unbroken's",
         "",
         MARKER,
-        f"Generated by `{results.command}` in {results.seconds / 60:.1f} minutes.",
+        generated(results),
         "",
         "One training script per framework (an MLP with dropout learning a smooth function, "
         "data shuffled every epoch, AdamW with a warm-up schedule, two micro-batches per "
         "optimizer step), resumed two ways: by the framework's own documented recipe and by "
         "unbroken's integration. For each, one run trains straight through; another is "
-        f"stopped at step K = {size['stop_at']} of {size['steps']} ({where}, epochs counted "
-        "from 0) right after its save, then resumed in a fresh process. Compared bit for bit: "
+        f"stopped at step K = {size['stop_at']} of {size['steps']} ({where(per_epoch)}, epochs "
+        "counted from 0) right after its save, then resumed in a fresh process. Compared bit "
+        "for bit: "
         "the final model and optimizer tensors, every logged loss, and the inputs each step "
         "trained on. Rows with a setting run the same script with another documented "
-        "setting.",
+        "setting. Megatron-Core's script trains the same MLP as a Megatron model chunk in "
+        "bf16 on two data-parallel processes (torchrun, gloo), on the CPU through the "
+        "test-only shim `tests/megatron_cpu.py` (Megatron-Core needs CUDA): not a GPU run. "
+        f"Its two ranks share each epoch's rows, so its epochs are {per_epoch // 2} steps "
+        f"(K is {where(per_epoch // 2)}).",
         "",
         summary_table(results),
         "",
@@ -503,7 +597,8 @@ def page(results: Results) -> str:
         "- Three fresh processes per row: straight, stopped, resumed (in the stopped run's "
         "folder). One CPU thread each, so a run is deterministic and runs once.",
         "- *tensors differing*: the final `model.state_dict()` and the optimizer's state "
-        "tensors (AdamW's `step`, `exp_avg`, `exp_avg_sq`), compared byte for byte. AdamW's "
+        "tensors (AdamW's `step`, `exp_avg`, `exp_avg_sq`; DeepSpeed and Megatron-Core: "
+        "the fp32 main weights too), compared byte for byte. AdamW's "
         "`step` counters (one per parameter) agree whenever the number of steps does, so a "
         "row whose every other tensor differs still counts them as equal.",
         "- *first differing step (loss)*: the first step whose logged loss differs (its "
@@ -538,16 +633,19 @@ def main() -> int:
     args = parser.parse_args()
     docs = Path(args.write_docs) if args.write_docs else None
     real_page = docs is not None and docs.resolve() == PAGE.path
-    partial = args.quick or not args.variants or set(args.only) != set(FRAMEWORKS)
-    if real_page and partial and not args.render:
-        parser.error(f"--write-docs into {PAGE.path} needs every framework, variant and step: "
-                     "drop --quick, --only and --no-variants, or give it another PATH")  # fmt: skip
+    if real_page and (args.quick or not args.variants) and not args.render:
+        parser.error(f"--write-docs into {PAGE.path} needs every variant and step: drop "
+                     "--quick and --no-variants, or give it another PATH")  # fmt: skip
     if args.render:
         results = Results.read(args.render)
     else:
         results = _measure(args, QUICK if args.quick else FULL)
         if results is None:
             return 1
+        some = set(args.only) != set(FRAMEWORKS)
+        kept = Results.kept_in(docs) if docs is not None and some else None
+        if kept is not None and kept.size == results.size:
+            results = merge(kept, results)  # the page keeps the other frameworks' rows
     if real_page and not complete(results):
         print(f"not written: {PAGE.path} shows every framework, variant and step (run "
               "without --quick, --only, --no-variants, or give --write-docs a PATH)",

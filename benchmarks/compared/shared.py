@@ -1,4 +1,4 @@
-"""What the three compared training scripts share: the options, the data, the model, the
+"""What the compared training scripts share: the options, the data, the model, the
 stop step, and what every run leaves for the harness (``benchmarks/compared.py``).
 
 A run writes into its run folder ``DIR``:

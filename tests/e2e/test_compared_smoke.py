@@ -7,6 +7,7 @@ shared by the first two tests. No timings are asserted.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -82,12 +83,12 @@ def test_write_docs_writes_the_page(quick):
 
 
 def test_the_committed_page_is_the_scripts_output(tmp_path):
-    """docs/integrations/compared.md shows all three frameworks, ours IDENTICAL in every
+    """docs/integrations/compared.md shows every framework, ours IDENTICAL in every
     row, and is exactly what the script renders from the results kept in it: a hand edit,
     or a page left behind when the renderer changed, fails here."""
     text = PAGE.read_text(encoding="utf-8")
     assert MARKER in text
-    for framework in ("Accelerate", "Lightning", "HF Trainer"):
+    for framework in ("Accelerate", "Lightning", "HF Trainer", "DeepSpeed", "Megatron-Core"):
         rows = _rows(text, framework)
         assert "own" in rows and "unbroken" in rows, (framework, rows)
         ours = [cells for resume, cells in rows.items() if resume.startswith("unbroken")]
@@ -95,3 +96,35 @@ def test_the_committed_page_is_the_scripts_output(tmp_path):
     again = tmp_path / "compared.md"
     _bench("--render", str(PAGE), "--write-docs", str(again), timeout=120)
     assert again.read_text(encoding="utf-8") == text
+
+
+def test_only_write_docs_merges_into_the_kept_page(monkeypatch):
+    """``--only NAME --write-docs`` replaces NAME's rows of the page's kept results and
+    keeps the others (no DESIGN.md bug class: the page's bookkeeping). A rerun is listed
+    once, the page stays complete, and results of another size are refused, not mixed."""
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    import compared
+
+    kept = compared.Results.read(PAGE)
+    new_rows = [dataclasses.replace(r, steps_differing=r.steps_differing + 1)
+                for r in kept.rows if r.framework == "megatron"]  # fmt: skip
+    assert new_rows, "the committed page has no Megatron-Core rows"
+    new = dataclasses.replace(kept, command="python benchmarks/compared.py --only megatron "
+                              "--write-docs", seconds=60.0, rows=new_rows, reruns=[])  # fmt: skip
+    merged = compared.merge(kept, new)
+    assert [r for r in merged.rows if r.framework != "megatron"] == [
+        r for r in kept.rows if r.framework != "megatron"
+    ]
+    assert [r for r in merged.rows if r.framework == "megatron"] == new_rows
+    assert [r.framework for r in merged.rows] == [r.framework for r in kept.rows]
+    assert compared.complete(merged)
+    again = compared.merge(merged, new)
+    assert [r["frameworks"] for r in again.reruns] == [
+        *[r["frameworks"] for r in kept.reruns if r["frameworks"] != ["megatron"]],
+        ["megatron"],
+    ]
+    assert "the Megatron-Core rows since by `python benchmarks/compared.py --only megatron" in (
+        compared.page(again)
+    )
+    with pytest.raises(ValueError, match="another size"):
+        compared.merge(kept, dataclasses.replace(new, size={**new.size, "steps": 1}))
