@@ -71,7 +71,10 @@ def main() -> None:
     log = shared.StepLog(args.dir)
     engine.train()
     losses: list[torch.Tensor] = []
-    epoch = (step * args.accumulate) // len(loader)
+    done = step * args.accumulate  # micro-batches trained
+    # A restored loader stopped after its epoch's last batch first ends that epoch (it
+    # yields nothing): the loop starts in it. The own skip starts in the next one.
+    epoch = done // len(loader) if own else max(0, done - 1) // len(loader)
     while step < args.steps and step != stop:
         sampler.set_epoch(epoch)
         for x, y in itertools.islice(loader, skip, None):
