@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..checkpointer import Checkpointer
+from . import _megatron_fsdp
 from ._megatron_state import ModelState, OptimizerState, RNGTrackerState, TensorParallel
 
 __all__ = ["checkpointer_for"]
@@ -89,6 +90,8 @@ def checkpointer_for(
         raise ValueError(
             f"extra reuses the component name {RNG_TRACKER!r}, which checkpointer_for adds"
         )
+    if _megatron_fsdp.is_megatron_fsdp(model):
+        return _megatron_fsdp.checkpointer_for(model, optimizer, path, extra, **checkpointer_args)
     chunk = _chunk(model)
     _check_layout(chunk)
     tp = TensorParallel(_tp_mesh(chunk))
