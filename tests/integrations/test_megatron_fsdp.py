@@ -2,11 +2,12 @@
 weights, fp32 main weights, torch's AdamW through ``fully_shard_optimizer``) resumed bit
 for bit by ``unbroken.integrations.megatron.checkpointer_for`` at DP=2; and megatron-core
 0.16.1's vendored copy, resumed by its own checkpointing as its README shows, caught
-DIFFERENT by ``resume_test``.
+DIFFERENT by ``resume_test``; a DP=2 checkpoint restored on one process exactly as saved.
 
 On the CPU through the test-only shims ``tests/megatron_cpu.py`` and
 ``tests/megatron_fsdp_cpu.py``. Two resume tests of three runs each in one module
-fixture (the vendored one on one process), one refusal check.
+fixture (the vendored one on one process), one restore on one process, one refusal
+check.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra: megatron)")
 pytest.importorskip("megatron_fsdp", reason="megatron-fsdp is not installed (extra: megatron)")
 
+import unbroken as ub
 from unbroken.testing import resume_test
 
 pytestmark = pytest.mark.e2e
@@ -50,17 +52,24 @@ def _resume(workdir: Path, nproc: int, *args: str):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """The package's resume test (DP=2), the vendored copy's own resume (one process),
-    and the refusals."""
+    """The package's resume test (DP=2), its last checkpoint restored on one process and
+    saved again, the vendored copy's own resume (one process), and the refusals."""
     tmp = tmp_path_factory.mktemp("megatron_fsdp")
     out = {"ours": _resume(tmp / "ours", 2), "own": _resume(tmp / "own", 1, "--own")}
+    saved, resaved = Path(out["ours"].straight_dir), tmp / "dp1"
+    _launch(*_torchrun(1, "megatron_fsdp_train.py", str(saved), "--resave", str(resaved)))
+    out["dp1_report"] = json.loads((resaved / "report.json").read_text())
+    out["dp1_diff"] = ub.diff_checkpoints(saved, resaved, full=True, ignore={"rng"})
     refusals = tmp / "refusals"
     refusals.mkdir()
-    command = _torchrun(1, "megatron_fsdp_refusals.py", str(refusals))
-    done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    _launch(*_torchrun(1, "megatron_fsdp_refusals.py", str(refusals)))
     out["refusals"] = json.loads((refusals / "refusals.json").read_text())
     return out
+
+
+def _launch(*command: str) -> None:
+    done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def test_megatron_fsdp_resumes_bit_exact(runs):
@@ -89,6 +98,20 @@ def test_saves_whole_tensors_by_fqn_in_their_own_dtypes(runs):
         f"optimizer/state/{qkv}/exp_avg_sq": ([96, 32], "float32"),
         f"optimizer/state/{qkv}/step": ([], "float32"),
     }
+
+
+def test_a_dp2_checkpoint_restores_on_one_process_as_saved(runs):
+    """DESIGN.md F2: restored on one process (each rank's uneven rows moved to one), verified
+    (fingerprints and the probe, a forward pass on the restored compute weights: F4) and
+    saved again: every model and optimizer tensor equals the DP=2 save, bit for bit."""
+    report = runs["dp1_report"]
+    restore = {k: report[k] for k in ("step", "restored", "verified", "resharded")}
+    assert restore == {"step": STEPS, "restored": True, "verified": True, "resharded": True}
+    assert (report["saved_world_size"], report["world_size"]) == (2, 1)
+    diff = runs["dp1_diff"]
+    assert diff.identical, [t.key for t in diff.tensors if t.status != "equal"]
+    keys = [t.key for t in diff.tensors]
+    assert any(k.endswith("linear_qkv.weight/main_param") for k in keys), keys[:5]
 
 
 def test_vendored_megatron_fsdps_own_resume_is_reported_different(runs):

@@ -14,9 +14,9 @@ the one parameter on the data-parallel group, then this rank's block).
 ``ModelView`` gives the compute weights; ``OptimizerView`` the torch optimizer's state per
 parameter (``exp_avg``, ``exp_avg_sq``, ``step``) and the fp32 main weight
 (``main_param``): the same names and layout as ``unbroken.integrations.megatron`` uses for
-Megatron's DDP, so a checkpoint moves between the two. Both weights are written back
-before the first step, and the Checkpointer's recapture after the install fingerprints
-both (DESIGN.md F4).
+Megatron's DDP; being even DTensors, they restore at another data-parallel size. Both
+weights are written back before the first step, and the Checkpointer's recapture after
+the install fingerprints both (DESIGN.md F4).
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ wrapped in Megatron's ``DistributedDataParallel``, and the optimizer from
 - ``megatron_rng``: the generator states of Megatron's model-parallel RNG tracker (what
   its dropout draws from), per rank.
 
+A model wrapped by the ``megatron-fsdp`` package's ``MegatronFSDP`` (with the torch
+optimizer ``fully_shard_optimizer`` wrapped) is saved the same way, by
+``_megatron_fsdp`` (ZeRO-3 only; megatron-core's vendored copy is refused).
+
 Both weights are installed before the first step and fingerprinted again after the
 install (DESIGN.md F4). What cannot be captured exactly is refused when the Checkpointer
 is built, with what to do instead: Megatron's ``DistributedOptimizer``, pipeline

@@ -4,10 +4,14 @@ Megatron-FSDP (ZeRO-3: ``optim_grads_params``), trained with torch's AdamW wrapp
 
 Run under ``torchrun --standalone --nproc_per_node N``::
 
-    megatron_fsdp_train.py DIR [--steps S] [--every E] [--own]
+    megatron_fsdp_train.py DIR [--steps S] [--every E] [--own] [--resave DIR2]
 
 Default: the ``megatron-fsdp`` package's ``MegatronFSDP``, checkpointed by
 ``unbroken.integrations.megatron.checkpointer_for``.
+
+``--resave DIR2``: restore DIR's latest checkpoint (at this world size), save what was
+installed into DIR2 at the same step, write the restore's outcome to DIR2/report.json,
+and stop (no training).
 
 ``--own``: megatron-core's vendored copy (``fully_shard_model``), resumed by its own
 checkpointing as its README shows (torch DCP of ``model.state_dict()`` and
@@ -23,6 +27,7 @@ starts again from no moments, and ``resume-test`` reports DIFFERENT.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -175,6 +180,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--own", action="store_true")
+    parser.add_argument("--resave")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     parallel_state.initialize_model_parallel()
@@ -186,7 +192,11 @@ def main() -> None:
         own_run(model, optimizer, Path(args.dir), args.steps, args.every)
         return dist.destroy_process_group()
     ckpt = checkpointer_for(model, optimizer, args.dir, probe=probe)
-    start = ckpt.restore().step
+    # Another world size: the per-rank RNG state does not map, and is not what is checked.
+    report = ckpt.restore(reset={"rng"} if args.resave else None)
+    if args.resave:
+        return resave(report, model, optimizer, Path(args.resave))
+    start = report.step
     for step in range(start, args.steps):
         loss = train_step(model, optimizer, step)
         ckpt.track(step + 1, loss=loss)
@@ -195,6 +205,17 @@ def main() -> None:
         if ckpt.should_stop(step + 1):
             break
     ckpt.close()
+    dist.destroy_process_group()
+
+
+def resave(report, model, optimizer, folder: Path) -> None:
+    again = checkpointer_for(model, optimizer, str(folder))
+    again.save(report.step)
+    again.close()
+    fields = ("step", "restored", "verified", "resharded", "saved_world_size", "world_size")
+    if dist.get_rank() == 0:
+        out = {f: getattr(report, f) for f in fields}
+        (folder / "report.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
