@@ -6,8 +6,8 @@ DIFFERENT by ``resume_test``; a DP=2 checkpoint restored on one process exactly 
 
 On the CPU through the test-only shims ``tests/megatron_cpu.py`` and
 ``tests/megatron_fsdp_cpu.py``. Two resume tests of three runs each in one module
-fixture (the vendored one on one process), one restore on one process, one refusal
-check.
+fixture (the vendored one on one process), and one launch on one process that restores
+and checks the refusals.
 """
 
 from __future__ import annotations
@@ -52,18 +52,16 @@ def _resume(workdir: Path, nproc: int, *args: str):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """The package's resume test (DP=2), its last checkpoint restored on one process and
-    saved again, the vendored copy's own resume (one process), and the refusals."""
+    """The package's resume test (DP=2), the vendored copy's own resume (one process),
+    and one process that restores the DP=2 run's last checkpoint and saves it again, then
+    checks the refusals."""
     tmp = tmp_path_factory.mktemp("megatron_fsdp")
     out = {"ours": _resume(tmp / "ours", 2), "own": _resume(tmp / "own", 1, "--own")}
     saved, resaved = Path(out["ours"].straight_dir), tmp / "dp1"
     _launch(*_torchrun(1, "megatron_fsdp_train.py", str(saved), "--resave", str(resaved)))
     out["dp1_report"] = json.loads((resaved / "report.json").read_text())
     out["dp1_diff"] = ub.diff_checkpoints(saved, resaved, full=True, ignore={"rng"})
-    refusals = tmp / "refusals"
-    refusals.mkdir()
-    _launch(*_torchrun(1, "megatron_fsdp_refusals.py", str(refusals)))
-    out["refusals"] = json.loads((refusals / "refusals.json").read_text())
+    out["refusals"] = json.loads((resaved / "refusals.json").read_text())
     return out
 
 

@@ -86,7 +86,9 @@ def _check_wrapper(model: nn.Module) -> None:
         raise ValueError(
             f"Megatron-FSDP sharding strategy {strategy!r} is not supported: only "
             "'optim_grads_params' (ZeRO-3, the default) keeps the compute and main weights "
-            "as the same rows of each rank's buffers. Wrap with zero_dp_strategy=3"
+            "as the same rows of each rank's buffers. Wrap with zero_dp_strategy=3 "
+            "(fully_shard_model) or data_parallel_sharding_strategy='optim_grads_params' "
+            "(MegatronFSDP's DistributedDataParallelConfig)"
         )
 
 

@@ -10,8 +10,10 @@ Default: the ``megatron-fsdp`` package's ``MegatronFSDP``, checkpointed by
 ``unbroken.integrations.megatron.checkpointer_for``.
 
 ``--resave DIR2``: restore DIR's latest checkpoint (at this world size), save what was
-installed into DIR2 at the same step, write the restore's outcome to DIR2/report.json,
-and stop (no training).
+installed into DIR2 at the same step, write the restore's outcome to DIR2/report.json;
+then try what ``checkpointer_for`` refuses (megatron-core's vendored copy, the package's
+ZeRO-2) and write case -> error message (None where nothing was refused) to
+DIR2/refusals.json; and stop (no training). One launch for both, to spare a process.
 
 ``--own``: megatron-core's vendored copy (``fully_shard_model``), resumed by its own
 checkpointing as its README shows (torch DCP of ``model.state_dict()`` and
@@ -213,10 +215,25 @@ def resave(report, model, optimizer, folder: Path) -> None:
     again.save(report.step)
     again.close()
     fields = ("step", "restored", "verified", "resharded", "saved_world_size", "world_size")
+    out = {f: getattr(report, f) for f in fields}
+    refused = refusals(folder)
     if dist.get_rank() == 0:
-        out = {f: getattr(report, f) for f in fields}
         (folder / "report.json").write_text(json.dumps(out))
+        (folder / "refusals.json").write_text(json.dumps(refused, indent=1))
     dist.destroy_process_group()
+
+
+def refusals(folder: Path) -> dict:
+    cases = {"vendored": {"own": True}, "zero2": {"own": False, "strategy": "optim_grads"}}
+    out = {}
+    for case, how in cases.items():
+        model, optimizer = build(**how)
+        try:
+            checkpointer_for(model, optimizer, str(folder / case))
+            out[case] = None
+        except (TypeError, ValueError) as e:
+            out[case] = f"{type(e).__name__}: {e}"
+    return out
 
 
 if __name__ == "__main__":
