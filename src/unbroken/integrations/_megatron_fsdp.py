@@ -218,6 +218,12 @@ class ModelView(nn.Module):
         for name, child in layout.chunk.named_children():
             self.add_module(name, child)
         self.layout = layout
+        # Megatron-FSDP shards parameters only: buffers stay whole on every rank.
+        self._kept = {
+            name: b
+            for name, b in layout.chunk.named_buffers()
+            if name.rpartition(".")[2] not in _owner(layout.chunk, name)._non_persistent_buffers_set
+        }
         # Stand-ins made once: the optimizer view's param groups name them by identity.
         self.faces: dict[str, nn.Parameter] = {
             fqn: nn.Parameter(layout.even(fqn, rows), requires_grad=False)
@@ -233,21 +239,26 @@ class ModelView(nn.Module):
     def named_buffers(  # type: ignore[override]
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(())
+        return ((prefix + name, b) for name, b in self._kept.items())
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        return {fqn: self.layout.even(fqn, rows) for fqn, rows in self.layout.compute.items()}
+        out = {fqn: self.layout.even(fqn, rows) for fqn, rows in self.layout.compute.items()}
+        out.update((name, b.detach()) for name, b in self._kept.items())
+        return out
 
     def load_state_dict(  # type: ignore[override]
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> nn.modules.module._IncompatibleKeys:
-        live = self.layout.compute
+        live = {**self.layout.compute, **self._kept}
         missing = [fqn for fqn in live if fqn not in state_dict]
         unexpected = [fqn for fqn in state_dict if fqn not in live]
         if strict and (missing or unexpected):
             raise RuntimeError(f"missing keys {missing}, unexpected keys {unexpected}")
         with torch.no_grad():
-            for fqn, rows in live.items():
+            for name, b in self._kept.items():
+                if name in state_dict:
+                    b.copy_(_local(state_dict[name]))
+            for fqn, rows in self.layout.compute.items():
                 if fqn not in state_dict:
                     continue
                 restored = self.layout.uneven(fqn, state_dict[fqn])
@@ -412,6 +423,10 @@ def _like(param: DTensor, rows: torch.Tensor) -> DTensor:
     mesh, placements = param.device_mesh, param.placements
     shape, stride = param.shape, param.stride()
     return DTensor.from_local(rows, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def _owner(chunk: nn.Module, name: str) -> nn.Module:
+    return chunk.get_submodule(name.rpartition(".")[0]) if "." in name else chunk
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
