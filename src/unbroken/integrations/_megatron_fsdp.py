@@ -41,7 +41,9 @@ _VENDORED = "megatron.core."
 
 
 def is_megatron_fsdp(model: Any) -> bool:
-    """Whether ``model`` is a Megatron-FSDP wrapper (the package's or megatron-core's)."""
+    """Whether ``model`` (or the one model in a list, as Megatron's ``get_model`` returns)
+    is a Megatron-FSDP wrapper (the package's or megatron-core's)."""
+    model = _one(model)
     return any(
         cls.__name__ in ("MegatronFSDP", "FullyShardedDataParallel")
         and cls.__module__.startswith(("megatron_fsdp", "megatron.core.distributed.fsdp"))
@@ -50,11 +52,12 @@ def is_megatron_fsdp(model: Any) -> bool:
 
 
 def checkpointer_for(
-    model: nn.Module, optimizer: Any, path: str, extra: dict[str, Any], **args: Any
+    given: Any, optimizer: Any, path: str, extra: dict[str, Any], **args: Any
 ) -> Checkpointer:
     """The Checkpointer over a ``megatron_fsdp.MegatronFSDP`` model and the torch
     optimizer wrapped by ``megatron_fsdp.fully_shard_optimizer`` (see
     ``unbroken.integrations.megatron.checkpointer_for``)."""
+    model = _one(given)
     _check_wrapper(model)
     layout = Layout(model)
     model_view = ModelView(model, layout)
@@ -66,8 +69,14 @@ def checkpointer_for(
         extra["megatron_rng"].state_dict()  # refuses a tracker it cannot save, now
     user_probe = args.pop("probe", None)
     if user_probe is not None:
-        args["probe"] = lambda _view: user_probe(model)
+        args["probe"] = lambda _view: user_probe(given)
     return Checkpointer(path, model=model_view, optimizer=optimizer_view, extra=extra, **args)
+
+
+def _one(model: Any) -> Any:
+    if isinstance(model, list | tuple) and len(model) == 1:
+        return model[0]
+    return model
 
 
 def _check_wrapper(model: nn.Module) -> None:
