@@ -21,6 +21,7 @@ PAGES = {
     "lightning": "docs/integrations/lightning.md",
     "transformers": "docs/integrations/transformers.md",
     "megatron-core": "docs/integrations/megatron.md",
+    "megatron-fsdp": "docs/integrations/megatron.md",
     "deepspeed": "docs/integrations/deepspeed.md",
 }
 
@@ -39,7 +40,7 @@ def _pins() -> dict[str, str]:
 
 @pytest.mark.parametrize("name", ["accelerate", "lightning", "transformers", "datasets",
                                   "tensorboard", "wandb", "torchdata", "megatron-core",
-                                  "deepspeed"])  # fmt: skip
+                                  "megatron-fsdp", "deepspeed"])  # fmt: skip
 def test_ci_installs_exactly_the_pinned_version(name):
     pins = _pins()
     assert name in pins, f"pyproject's dev extra does not pin {name} exactly"

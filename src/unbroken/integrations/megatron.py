@@ -15,6 +15,10 @@ wrapped in Megatron's ``DistributedDataParallel``, and the optimizer from
 - ``megatron_rng``: the generator states of Megatron's model-parallel RNG tracker (what
   its dropout draws from), per rank.
 
+A model wrapped by the ``megatron-fsdp`` package's ``MegatronFSDP`` (with the torch
+optimizer ``fully_shard_optimizer`` wrapped) is saved the same way, by
+``_megatron_fsdp`` (ZeRO-3 only; megatron-core's vendored copy is refused).
+
 Both weights are installed before the first step and fingerprinted again after the
 install (DESIGN.md F4). What cannot be captured exactly is refused when the Checkpointer
 is built, with what to do instead: a ``DistributedOptimizer`` that gathers weights in the
@@ -34,6 +38,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from ..checkpointer import Checkpointer
+from . import _megatron_fsdp
 from ._megatron_distopt import DistOptLeaf, check_distributed
 from ._megatron_state import (
     LeafView,
@@ -106,6 +111,8 @@ def checkpointer_for(
         raise ValueError(
             f"extra reuses the component name {RNG_TRACKER!r}, which checkpointer_for adds"
         )
+    if _megatron_fsdp.is_megatron_fsdp(model):
+        return _megatron_fsdp.checkpointer_for(model, optimizer, path, extra, **checkpointer_args)
     chunk = _chunk(model)
     _check_layout(chunk)
     tp = TensorParallel(_tp_mesh(chunk))
