@@ -38,6 +38,7 @@ HEAVY_FIRST = [
     "tests/distributed/test_local_tier.py",  # 147 s
     "tests/integrations/test_docs_recipes.py",  # 145 s
     "tests/integrations/test_accelerate_fsdp.py",  # 128 s
+    "tests/integrations/test_megatron_fsdp.py",  # ~92 s alone (not yet from a full run)
     "tests/integrations/test_megatron_own.py",  # ~75-115 s alone (not yet from a full run)
     "tests/integrations/test_deepspeed_import.py",  # ~50-130 s alone (not yet from a full run)
     "tests/integrations/test_deepspeed_universal.py",  # 70-90 s alone (not yet from a full run)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import StateMismatchError
+from ._byte_gather import gather_bytes, gather_uneven
 
 MASTER = "fp32_master"  # the optimizer's fp32 copy of a parameter, as a state entry
 MUON_MOMENTUM = "momentum_buffer"
@@ -39,33 +40,6 @@ class _Slot:
     param: nn.Parameter
     start: int  # stages 0-2: offset in the group's flat buffer; stage 3: in the rank's flat
     numel: int
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def gather_bytes(local: torch.Tensor, group: Any, world: int) -> list[torch.Tensor]:
-    """Every rank's ``local`` (same size and dtype everywhere), as bytes moved unchanged."""
-    if world == 1:
-        return [local.detach().reshape(-1)]
-    raw = _bytes(local)
-    out = [torch.empty_like(raw) for _ in range(world)]
-    dist.all_gather(out, raw, group=group)
-    return [o.view(local.dtype) for o in out]
-
-
-def _gather_uneven(local: torch.Tensor, group: Any, world: int) -> list[torch.Tensor]:
-    """Every rank's 1-D ``local`` of the same dtype, sizes that may differ by rank."""
-    if world == 1:
-        return [local.detach().reshape(-1)]
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([local.numel()], dtype=torch.int64), group=group)
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=local.dtype)
-    padded[: local.numel()] = local.detach().reshape(-1).cpu()
-    parts = gather_bytes(padded, group, world)
-    return [p[: int(n)] for p, n in zip(parts, sizes, strict=True)]
 
 
 class ZeroLayout:
@@ -148,7 +122,7 @@ class ZeroLayout:
         """Stages 1 and 2: Muon's momentum, kept whole for each parameter a rank's partition
         touches (in partition order); a parameter across two partitions is held by both
         ranks alike, and taken from the lower one."""
-        parts = _gather_uneven(local, self.group, self.world)
+        parts = gather_uneven(local, self.group, self.world)
         out: dict[nn.Parameter, torch.Tensor] = {}
         for r, part in enumerate(parts):
             at = 0

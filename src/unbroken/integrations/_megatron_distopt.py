@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._deepspeed_zero import gather_bytes
+from ._byte_gather import gather_bytes
 from ._megatron_state import MAIN_PARAM
 
 

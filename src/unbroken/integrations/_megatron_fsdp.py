@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..checkpointer import Checkpointer
+from ._byte_gather import gather_bytes
 from ._megatron_state import MAIN_PARAM, RNGTrackerState
 
 # The vendored copy inside megatron-core: its optimizer state_dict() is the empty dict it
@@ -205,13 +206,8 @@ class Layout:
         most = max(counts)
         padded = torch.zeros((most, *tail), dtype=local.dtype, device=local.device)
         padded[: local.shape[0]] = local
-        sent = padded.reshape(-1).view(torch.uint8)
-        parts = [torch.empty_like(sent) for _ in counts]
-        dist.all_gather(parts, sent, group=self.group)
-        rows = [
-            part.view(local.dtype).view(most, *tail)[:count]
-            for part, count in zip(parts, counts, strict=True)
-        ]
+        parts = gather_bytes(padded, self.group, len(counts))
+        rows = [part.view(most, *tail)[:count] for part, count in zip(parts, counts, strict=True)]
         return torch.cat(rows).contiguous()
 
 

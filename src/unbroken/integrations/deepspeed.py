@@ -40,7 +40,8 @@ from torch import nn
 
 from ..checkpointer import Checkpointer
 from ..errors import CheckpointError, StateMismatchError
-from ._deepspeed_zero import MASTER, MUON_MOMENTUM, ZeroLayout, gather_bytes
+from ._byte_gather import gather_bytes
+from ._deepspeed_zero import MASTER, MUON_MOMENTUM, ZeroLayout
 
 __all__ = ["checkpointer_for"]
 
