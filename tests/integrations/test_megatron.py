@@ -13,9 +13,6 @@ three restores, one refusal check.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,35 +20,16 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (extra: megatron)")
 
 import unbroken as ub
-from unbroken.testing import resume_test
+
+from .megatron_launch import launch, resume, script
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = Path(__file__).parent / "scripts"
-ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "PYTHONWARNINGS": "ignore",
-    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-}
 STOP_AT, STEPS = 3, 6
 
 
-def _torchrun(nproc: int, script: str, *args: str) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", str(SCRIPTS / script), *args,
-    ]  # fmt: skip
-
-
 def _resume(workdir: Path, *args: str):
-    command = _torchrun(2, "megatron_train.py", "{dir}", "--steps", str(STEPS), *args)
-    return resume_test(command, stop_at=STOP_AT, workdir=workdir, env=ENV, timeout=300, plot=False)
-
-
-def _launch(*command: str) -> None:
-    done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    command = script(2, "megatron_train.py", "{dir}", "--steps", str(STEPS), *args)
+    return resume(command, workdir, STOP_AT)
 
 
 @pytest.fixture(scope="module")
@@ -69,20 +47,20 @@ def runs(tmp_path_factory) -> dict:
     }
     saved = Path(out["tp2"].straight_dir)
     resaved = tmp / "tp1"
-    _launch(*_torchrun(1, "megatron_train.py", str(saved), "--resave", str(resaved)))
+    launch(*script(1, "megatron_train.py", str(saved), "--resave", str(resaved)))
     out["tp1_report"] = json.loads((resaved / "report.json").read_text())
     out["tp1_diff"] = ub.diff_checkpoints(saved, resaved, full=True, ignore={"rng"})
     out["saved"] = saved
     distributed = Path(out["dp2_distopt"].straight_dir)
     plain, back = tmp / "distopt_to_plain", tmp / "plain_to_distopt"
-    _launch(*_torchrun(1, "megatron_train.py", str(distributed), "--resave", str(plain)))
-    _launch(*_torchrun(2, "megatron_train.py", str(plain), "--distopt", "--resave", str(back)))
+    launch(*script(1, "megatron_train.py", str(distributed), "--resave", str(plain)))
+    launch(*script(2, "megatron_train.py", str(plain), "--distopt", "--resave", str(back)))
     for name, before, after in (("to_plain", distributed, plain), ("to_distopt", plain, back)):
         out[f"{name}_report"] = json.loads((after / "report.json").read_text())
         out[f"{name}_diff"] = ub.diff_checkpoints(before, after, full=True, ignore={"rng"})
     refusals = tmp / "refusals"
     refusals.mkdir()
-    _launch(*_torchrun(2, "megatron_refusals.py", str(refusals)))
+    launch(*script(2, "megatron_refusals.py", str(refusals)))
     out["refusals"] = json.loads((refusals / "refusals.json").read_text())
     return out
 

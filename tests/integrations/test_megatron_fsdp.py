@@ -13,9 +13,6 @@ and checks the refusals.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,30 +21,16 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (ext
 pytest.importorskip("megatron_fsdp", reason="megatron-fsdp is not installed (extra: megatron)")
 
 import unbroken as ub
-from unbroken.testing import resume_test
+
+from .megatron_launch import launch, resume, script
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = Path(__file__).parent / "scripts"
-ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "PYTHONWARNINGS": "ignore",
-    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-}
 STOP_AT, STEPS = 3, 6
 
 
-def _torchrun(nproc: int, script: str, *args: str) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", str(SCRIPTS / script), *args,
-    ]  # fmt: skip
-
-
 def _resume(workdir: Path, nproc: int, *args: str):
-    command = _torchrun(nproc, "megatron_fsdp_train.py", "{dir}", "--steps", str(STEPS), *args)
-    return resume_test(command, stop_at=STOP_AT, workdir=workdir, env=ENV, timeout=300, plot=False)
+    command = script(nproc, "megatron_fsdp_train.py", "{dir}", "--steps", str(STEPS), *args)
+    return resume(command, workdir, STOP_AT)
 
 
 @pytest.fixture(scope="module")
@@ -58,16 +41,11 @@ def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("megatron_fsdp")
     out = {"ours": _resume(tmp / "ours", 2), "own": _resume(tmp / "own", 1, "--own")}
     saved, resaved = Path(out["ours"].straight_dir), tmp / "dp1"
-    _launch(*_torchrun(1, "megatron_fsdp_train.py", str(saved), "--resave", str(resaved)))
+    launch(*script(1, "megatron_fsdp_train.py", str(saved), "--resave", str(resaved)))
     out["dp1_report"] = json.loads((resaved / "report.json").read_text())
     out["dp1_diff"] = ub.diff_checkpoints(saved, resaved, full=True, ignore={"rng"})
     out["refusals"] = json.loads((resaved / "refusals.json").read_text())
     return out
-
-
-def _launch(*command: str) -> None:
-    done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
 def test_megatron_fsdp_resumes_bit_exact(runs):

@@ -1,0 +1,41 @@
+"""What the Megatron test files share: the environment of the processes they launch, the
+scripts under ``scripts/`` under torchrun, and a resume test of one of them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from unbroken.testing import ResumeTestResult, resume_test
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).parent / "scripts"
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "PYTHONWARNINGS": "ignore",
+    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+}
+TIMEOUT = 300
+
+
+def script(nproc: int, name: str, *args: str) -> list[str]:
+    """``scripts/NAME`` with ``args`` under torchrun on ``nproc`` processes (a standalone
+    rendezvous: no port to pick)."""
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*run, f"--nproc_per_node={nproc}", str(SCRIPTS / name), *args]
+
+
+def launch(*command: str) -> None:
+    """Run ``command`` to the end; it must exit 0 (else its output's tail is shown)."""
+    done = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def resume(command: list[str], workdir: Path, stop_at: int) -> ResumeTestResult:
+    """``resume_test`` of ``command`` (with ``{dir}``), no plot."""
+    return resume_test(
+        command, stop_at=stop_at, workdir=workdir, env=ENV, timeout=TIMEOUT, plot=False
+    )
