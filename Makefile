@@ -27,21 +27,25 @@ $(STAMP_NEXT): pyproject.toml
 	$(VENV_NEXT)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_NEXT)/bin/python -m pip install --quiet torch==2.14.1
 	DS_BUILD_OPS=0 $(VENV_NEXT)/bin/python -m pip install --quiet -e ".[dev]" torch==2.14.1
-	$(MAKE) --no-print-directory ops VENV_PY=$(VENV_NEXT)/bin/python VENV_DIR=$(VENV_NEXT)
+	$(MAKE) --no-print-directory ops VENV_PY=$(VENV_NEXT)/bin/python VENV_DIR=$(VENV_NEXT) \
+		OPS=ShareMemCommBuilder
 	touch $(STAMP_NEXT)
 
 install: $(STAMP)
 
 # DeepSpeed (installed pure-Python, DS_BUILD_OPS=0) compiles its C++ ops on first use:
-# the CPU communication op every engine loads, and FusedAdam (Muon's auxiliary Adam).
-# They are built once per venv here, into TORCH_EXTENSIONS_DIR under the venv (the tests
-# use that folder), so no test waits for a compiler. A build killed midway leaves a
-# `lock` file that makes every later build wait forever: cleared first.
+# the CPU communication op every engine loads, and FusedAdam (what the refusal tests build
+# engines with). They are built once per venv here, into TORCH_EXTENSIONS_DIR under the
+# venv (the tests use that folder), so no test waits for a compiler; the torch 2.14.1 venv,
+# which runs only DeepSpeed's documented recipe (torch's AdamW), builds the first alone. A
+# build killed midway leaves a `lock` file that makes every later build wait forever:
+# cleared first.
 VENV_PY ?= $(PY)
 VENV_DIR ?= $(VENV)
+OPS ?= ShareMemCommBuilder FusedAdamBuilder
 ops:
 	find $(VENV_DIR)/torch_extensions -name lock -delete 2>/dev/null || true
-	TORCH_EXTENSIONS_DIR=$(abspath $(VENV_DIR))/torch_extensions $(VENV_PY) -c "from deepspeed.accelerator import get_accelerator as a; [a().create_op_builder(n).load(verbose=False) for n in ('ShareMemCommBuilder', 'FusedAdamBuilder')]"
+	TORCH_EXTENSIONS_DIR=$(abspath $(VENV_DIR))/torch_extensions $(VENV_PY) -c "import sys; from deepspeed.accelerator import get_accelerator as a; [a().create_op_builder(n).load(verbose=False) for n in sys.argv[1:]]" $(OPS)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
