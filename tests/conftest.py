@@ -20,51 +20,44 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 
-# The files that take longest (worker seconds in a full run on torch 2.14.1, 2 cores,
-# 2026-11), run first: with two xdist workers each taking whole files, longest first makes
+# The files that take longest (worker seconds in a full run on torch 2.13.0, 2 cores,
+# 2026-11-28), run first: with two xdist workers each taking whole files, longest first makes
 # them finish together. xdist's own order (files with the most tests first) left these
 # one-test heavyweights for the end, one worker idle while the other ran them. The
 # Makefile passes --no-loadscope-reorder so that xdist keeps this order.
 HEAVY_FIRST = [
-    "tests/integrations/test_accelerate_exit.py",  # 242 s
-    "tests/integrations/test_megatron.py",  # ~250 s alone (not yet from a full run)
-    "tests/integrations/test_deepspeed.py",  # ~250 s alone (not yet from a full run)
-    "tests/e2e/test_harness.py",  # 196 s
-    "tests/distributed/test_nd_resume_test.py",  # 195 s (9 launches then; 3 now)
-    "tests/cli/test_resume_test.py",  # 169 s
+    "tests/integrations/test_megatron.py",  # 236 s
+    "tests/e2e/test_harness.py",  # 206 s
+    "tests/integrations/test_deepspeed.py",  # 201 s
+    "tests/integrations/test_docs_recipes.py",  # 198 s
     "tests/e2e/test_bench_smoke.py",  # 166 s
-    "tests/integrations/test_lightning_fsdp.py",  # 158 s
-    "tests/e2e/test_crash.py",  # 148 s
-    "tests/distributed/test_local_tier.py",  # 147 s
-    "tests/integrations/test_docs_recipes.py",  # 145 s
-    "tests/integrations/test_accelerate_fsdp.py",  # 128 s
-    "tests/integrations/test_megatron_fsdp.py",  # ~92 s alone (not yet from a full run)
-    "tests/integrations/test_megatron_own.py",  # ~75-115 s alone (not yet from a full run)
-    "tests/integrations/test_deepspeed_import.py",  # ~50-130 s alone (not yet from a full run)
-    "tests/integrations/test_deepspeed_universal.py",  # 70-90 s alone (not yet from a full run)
-    "tests/integrations/test_lightning.py",  # 110 s
-    "tests/distributed/test_agreement_rounds.py",  # 98 s
-    "tests/e2e/test_demo.py",  # 85 s
+    "tests/integrations/test_lightning_fsdp.py",  # 154 s
+    "tests/cli/test_resume_test.py",  # 149 s
+    "tests/integrations/test_accelerate_fsdp.py",  # 145 s
+    "tests/distributed/test_local_tier.py",  # 130 s
+    "tests/e2e/test_crash.py",  # 114 s
+    "tests/integrations/test_lightning.py",  # 109 s
+    "tests/integrations/test_megatron_fsdp.py",  # 108 s
     "tests/e2e/test_resume_exact.py",  # 84 s
-    "tests/distributed/test_accumulation_distributed.py",  # 83 s
-    "tests/integrations/test_accelerate_loaders.py",  # 79 s
-    "tests/integrations/test_accelerate.py",  # 77 s
-    "tests/integrations/test_fine_tuning.py",  # 70 s
-    "tests/e2e/test_compared_smoke.py",  # 69 s
-    "tests/distributed/test_tensor_parallel.py",  # 61 s
-    "tests/integrations/test_hf_datasets.py",  # 56 s
-    "tests/distributed/test_exchange_distributed.py",  # 55 s
-    "tests/distributed/test_fsdp1_hybrid.py",  # 53 s
-    "tests/distributed/test_pipeline_stages.py",  # 51 s
-    "tests/distributed/test_many_nodes.py",  # 49 s
-    "tests/distributed/test_fsdp_s3.py",  # 49 s
-    "tests/unit/test_object_store_s3.py",  # 47 s
-    "tests/integrations/test_trackers.py",  # 46 s
-    "tests/distributed/test_async_distributed.py",  # 46 s
-    "tests/unit/test_rollback_interrupts.py",  # 45 s
-    "tests/distributed/test_fsdp1.py",  # 44 s
-    "tests/integrations/test_transformers.py",  # 44 s
-    "tests/e2e/test_races.py",  # 42 s
+    "tests/integrations/test_accelerate_exit.py",  # 73 s
+    "tests/integrations/test_accelerate_loaders.py",  # 71 s
+    "tests/integrations/test_accelerate.py",  # 71 s
+    "tests/integrations/test_fine_tuning.py",  # 68 s
+    "tests/integrations/test_hf_datasets.py",  # 66 s
+    "tests/e2e/test_demo.py",  # 66 s
+    "tests/integrations/test_megatron_own.py",  # 64 s
+    "tests/distributed/test_nd_resume_test.py",  # 61 s
+    "tests/distributed/test_many_nodes.py",  # 51 s
+    "tests/integrations/test_deepspeed_universal.py",  # 48 s
+    "tests/e2e/test_compared_smoke.py",  # 45 s
+    "tests/cli/test_object_store_cli.py",  # 44 s
+    "tests/unit/test_object_store_s3.py",  # 42 s
+    "tests/integrations/test_transformers.py",  # 36 s
+    "tests/distributed/test_clean_exit.py",  # 35 s
+    "tests/cli/test_resume_test_timeout.py",  # 29 s
+    "tests/integrations/test_trackers.py",  # 28 s
+    "tests/integrations/test_deepspeed_import.py",  # 27 s
+    "tests/unit/test_resave_crash.py",  # 21 s
 ]
 
 
