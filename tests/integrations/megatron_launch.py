@@ -39,3 +39,15 @@ def resume(command: list[str], workdir: Path, stop_at: int) -> ResumeTestResult:
     return resume_test(
         command, stop_at=stop_at, workdir=workdir, env=ENV, timeout=TIMEOUT, plot=False
     )
+
+
+def check_restored_as_saved(report: dict, diff, step: int) -> None:
+    """A 2-rank checkpoint restored on one process at ``step`` (its restore ``report``),
+    verified, and saved again: ``diff`` (of the two checkpoints) finds every model and
+    optimizer tensor equal, the bf16 weights' fp32 main weights among them."""
+    restore = {k: report[k] for k in ("step", "restored", "verified", "resharded")}
+    assert restore == {"step": step, "restored": True, "verified": True, "resharded": True}
+    assert (report["saved_world_size"], report["world_size"]) == (2, 1)
+    assert diff.identical, [t.key for t in diff.tensors if t.status != "equal"]
+    keys = [t.key for t in diff.tensors]
+    assert any(k.endswith("linear_qkv.weight/main_param") for k in keys), keys[:5]

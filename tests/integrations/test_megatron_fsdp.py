@@ -22,7 +22,7 @@ pytest.importorskip("megatron_fsdp", reason="megatron-fsdp is not installed (ext
 
 import unbroken as ub
 
-from .megatron_launch import launch, resume, script
+from .megatron_launch import check_restored_as_saved, launch, resume, script
 
 pytestmark = pytest.mark.e2e
 STOP_AT, STEPS = 3, 6
@@ -80,14 +80,7 @@ def test_a_dp2_checkpoint_restores_on_one_process_as_saved(runs):
     """DESIGN.md F2: restored on one process (each rank's uneven rows moved to one), verified
     (fingerprints and the probe, a forward pass on the restored compute weights: F4) and
     saved again: every model and optimizer tensor equals the DP=2 save, bit for bit."""
-    report = runs["dp1_report"]
-    restore = {k: report[k] for k in ("step", "restored", "verified", "resharded")}
-    assert restore == {"step": STEPS, "restored": True, "verified": True, "resharded": True}
-    assert (report["saved_world_size"], report["world_size"]) == (2, 1)
-    diff = runs["dp1_diff"]
-    assert diff.identical, [t.key for t in diff.tensors if t.status != "equal"]
-    keys = [t.key for t in diff.tensors]
-    assert any(k.endswith("linear_qkv.weight/main_param") for k in keys), keys[:5]
+    check_restored_as_saved(runs["dp1_report"], runs["dp1_diff"], STEPS)
 
 
 def test_vendored_megatron_fsdps_own_resume_is_reported_different(runs):
