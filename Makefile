@@ -27,19 +27,17 @@ $(STAMP_NEXT): pyproject.toml
 	$(VENV_NEXT)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_NEXT)/bin/python -m pip install --quiet torch==2.14.1
 	DS_BUILD_OPS=0 $(VENV_NEXT)/bin/python -m pip install --quiet -e ".[dev]" torch==2.14.1
-	$(MAKE) --no-print-directory ops VENV_PY=$(VENV_NEXT)/bin/python VENV_DIR=$(VENV_NEXT) \
-		OPS=ShareMemCommBuilder
 	touch $(STAMP_NEXT)
 
 install: $(STAMP)
 
 # DeepSpeed (installed pure-Python, DS_BUILD_OPS=0) compiles its C++ ops on first use:
 # the CPU communication op every engine loads, and FusedAdam (what the refusal tests build
-# engines with). They are built once per venv here, into TORCH_EXTENSIONS_DIR under the
-# venv (the tests use that folder), so no test waits for a compiler; the torch 2.14.1 venv,
-# which runs only DeepSpeed's documented recipe (torch's AdamW), builds the first alone. A
-# build killed midway leaves a `lock` file that makes every later build wait forever:
-# cleared first.
+# engines with). They are built once, into TORCH_EXTENSIONS_DIR under the venv (the tests
+# use that folder), so no test waits for a compiler; the torch 2.14.1 venv, whose run
+# leaves the framework tests out, starts no DeepSpeed engine and builds none. A build
+# killed midway leaves a `lock` file that makes every later build wait forever: cleared
+# first.
 VENV_PY ?= $(PY)
 VENV_DIR ?= $(VENV)
 OPS ?= ShareMemCommBuilder FusedAdamBuilder
@@ -66,9 +64,8 @@ test: lint
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV))/torch_extensions $(PY) $(PYTEST)
 
 # The suite again on torch 2.14.1, less the tests marked primary_torch (tests/conftest.py:
-# the deep framework-integration tests, whose documented recipes still run here, the
-# resume-test harness's own verdict tests, and the smoke tests of tools only the primary
-# venv runs).
+# the framework integrations, the resume-test harness's own verdict tests, and the smoke
+# tests of tools only the primary venv runs): the library's own suite.
 test-torch2.14: $(STAMP_NEXT)
 	TORCH_EXTENSIONS_DIR=$(abspath $(VENV_NEXT))/torch_extensions $(VENV_NEXT)/bin/python \
 		$(PYTEST) -m "not primary_torch"
