@@ -10,6 +10,8 @@ first thing in a test script, never from the library.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -48,9 +50,26 @@ def install() -> None:
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.Tensor.type = _type
     _CudaIsCpu().__enter__()
+    _import_megatron_lightly()
     from megatron.core.tensor_parallel import random
 
     random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def _import_megatron_lightly() -> None:
+    """Import megatron.core without what these tiny CPU runs never use, which costs 2-3 s
+    of CPU in every process (tens of processes a suite): wandb, which Megatron imports
+    only to log to it, and torch.compile's compiler, which Megatron's fused kernels load
+    at import by decorating themselves with it (megatron/core/jit.py). Here they stay
+    plain functions, as with Megatron's own ``disable_jit_fuser()`` (the scripts call
+    none of them; a resume compares two runs that run the same code either way)."""
+    sys.modules.setdefault("wandb", None)  # `import wandb` raises ImportError: not installed
+    compile_ = torch.compile
+    torch.compile = lambda model=None, **kwargs: model if model is not None else (lambda f: f)
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = compile_
 
 
 install()
