@@ -3,6 +3,7 @@ scripts under ``scripts/`` under torchrun, and a resume test of one of them."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -51,3 +52,23 @@ def check_restored_as_saved(report: dict, diff, step: int) -> None:
     assert diff.identical, [t.key for t in diff.tensors if t.status != "equal"]
     keys = [t.key for t in diff.tensors]
     assert any(k.endswith("linear_qkv.weight/main_param") for k in keys), keys[:5]
+
+
+def check_qkv_saved_whole(manifest: dict) -> None:
+    """The first layer's QKV weight (split by TP or sharded over DP while training) in the
+    ``manifest`` saved whole: the bf16 compute weight, and beside it the fp32 main weight
+    and moments and a scalar step, by the model's FQN."""
+    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
+    shape_dtype = {k: (v["shape"], v["dtype"]) for k, v in manifest["tensors"].items() if qkv in k}
+    assert shape_dtype == {
+        f"model/{qkv}": ([96, 32], "bfloat16"),
+        f"optimizer/state/{qkv}/main_param": ([96, 32], "float32"),
+        f"optimizer/state/{qkv}/exp_avg": ([96, 32], "float32"),
+        f"optimizer/state/{qkv}/exp_avg_sq": ([96, 32], "float32"),
+        f"optimizer/state/{qkv}/step": ([], "float32"),
+    }
+
+
+def manifest_of(folder: Path, step: int) -> dict:
+    """The manifest of ``folder``'s step ``step``."""
+    return json.loads((Path(folder) / f"step_{step:08d}" / "manifest.json").read_text())

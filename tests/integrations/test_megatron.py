@@ -21,7 +21,14 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (ext
 
 import unbroken as ub
 
-from .megatron_launch import check_restored_as_saved, launch, resume, script
+from .megatron_launch import (
+    check_qkv_saved_whole,
+    check_restored_as_saved,
+    launch,
+    manifest_of,
+    resume,
+    script,
+)
 
 pytestmark = pytest.mark.e2e
 STOP_AT, STEPS = 3, 6
@@ -84,17 +91,8 @@ def test_saves_whole_tensors_in_their_own_dtypes(runs):
     fp32 main weight and Adam moments beside it in fp32, its step a scalar (F4, F5). The
     probe (a forward pass of the model given to checkpointer_for) is recorded by every
     rank; the resumed run recomputed it after its restore (a mismatch fails that run)."""
-    manifest = json.loads((runs["saved"] / f"step_{STEPS:08d}" / "manifest.json").read_text())
-    tensors = manifest["tensors"]
-    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
-    shape_dtype = {k: (v["shape"], v["dtype"]) for k, v in tensors.items() if qkv in k}
-    assert shape_dtype == {
-        f"model/{qkv}": ([96, 32], "bfloat16"),
-        f"optimizer/state/{qkv}/main_param": ([96, 32], "float32"),
-        f"optimizer/state/{qkv}/exp_avg": ([96, 32], "float32"),
-        f"optimizer/state/{qkv}/exp_avg_sq": ([96, 32], "float32"),
-        f"optimizer/state/{qkv}/step": ([], "float32"),
-    }
+    manifest = manifest_of(runs["saved"], STEPS)
+    check_qkv_saved_whole(manifest)
     assert len(manifest["probe"]["ranks"]) == 2
 
 

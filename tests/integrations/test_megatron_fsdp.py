@@ -22,7 +22,14 @@ pytest.importorskip("megatron_fsdp", reason="megatron-fsdp is not installed (ext
 
 import unbroken as ub
 
-from .megatron_launch import check_restored_as_saved, launch, resume, script
+from .megatron_launch import (
+    check_qkv_saved_whole,
+    check_restored_as_saved,
+    launch,
+    manifest_of,
+    resume,
+    script,
+)
 
 pytestmark = pytest.mark.e2e
 STOP_AT, STEPS = 3, 6
@@ -63,17 +70,7 @@ def test_saves_whole_tensors_by_fqn_in_their_own_dtypes(runs):
     """The uneven per-rank rows Megatron-FSDP keeps are saved as whole tensors by the
     model's FQNs (the layout of Megatron's DDP integration): bf16 compute weight, fp32
     main weight and moments beside it, a scalar step (F1, F5)."""
-    saved = Path(runs["ours"].straight_dir) / f"step_{STEPS:08d}" / "manifest.json"
-    tensors = json.loads(saved.read_text())["tensors"]
-    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
-    shape_dtype = {k: (v["shape"], v["dtype"]) for k, v in tensors.items() if qkv in k}
-    assert shape_dtype == {
-        f"model/{qkv}": ([96, 32], "bfloat16"),
-        f"optimizer/state/{qkv}/main_param": ([96, 32], "float32"),
-        f"optimizer/state/{qkv}/exp_avg": ([96, 32], "float32"),
-        f"optimizer/state/{qkv}/exp_avg_sq": ([96, 32], "float32"),
-        f"optimizer/state/{qkv}/step": ([], "float32"),
-    }
+    check_qkv_saved_whole(manifest_of(runs["ours"].straight_dir, STEPS))
 
 
 def test_a_dp2_checkpoint_restores_on_one_process_as_saved(runs):
